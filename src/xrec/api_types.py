@@ -1,0 +1,198 @@
+"""Public request/response dataclasses and request validation (the edge of the engine)."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from xrec.errors import InvalidArgument
+
+NORMALIZATIONS = ("allowed", "full")
+
+
+@dataclass
+class RecRequest:
+    """One user's recommendation request. Exactly one of `token_ids` / `sparse_embedding`.
+
+    Unset search knobs take the engine's defaults: `beam_width` ->
+    `default_beam_width`, `top_k` and `num_return_sequences` -> `beam_width`,
+    `normalize` -> the engine's `normalize`.
+    """
+
+    token_ids: Sequence[int] | None = None
+    sparse_embedding: Any = None                 # array-like [L, d_model], float32
+    decoder_context_embedding: Any = None        # array-like [C, d_model], float32
+    beam_width: int | None = None
+    top_k: int | None = None
+    num_return_sequences: int | None = None
+    normalize: str | None = None
+    temperature: float = 1.0
+    return_items: bool = True
+    timeout_ms: float | None = None
+    request_id: str | None = None
+    seed: int | None = None                      # random (but reproducible) item choice when capped
+
+
+@dataclass(frozen=True)
+class RecItem:
+    item_id: int
+    did: str | None = None
+    type: str | None = None
+
+
+@dataclass(frozen=True)
+class RecCandidate:
+    """One finished beam: the semantic ID, its score (sum of per-round log-probs), its items."""
+
+    tokens: tuple[int, ...]
+    score: float
+    token_logprobs: tuple[float, ...]
+    items: list[RecItem] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RecResponse:
+    request_id: str
+    results: list[RecCandidate]
+    usage: dict[str, int]
+    timing: dict[str, float]
+
+
+@dataclass(frozen=True)
+class SearchLimits:
+    """What the engine accepts; built from the engine options and the model config."""
+
+    vocab_size: int
+    d_model: int
+    max_input_len: int
+    max_beam_width: int
+    max_top_k: int
+    default_beam_width: int
+    default_normalize: str
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    """A request after validation: defaults applied, arrays as contiguous float32 / int64."""
+
+    request_id: str
+    token_ids: np.ndarray | None          # [L] int64
+    sparse_embedding: np.ndarray | None   # [L, D] float32
+    context: np.ndarray | None            # [C, D] float32
+    beam_width: int
+    top_k: int
+    num_results: int
+    normalize: str
+    temperature: float
+    return_items: bool
+    timeout_ms: float | None
+    seed: int | None
+
+    @property
+    def input_len(self) -> int:
+        return len(self.token_ids) if self.token_ids is not None else len(self.sparse_embedding)
+
+    @property
+    def prefix_len(self) -> int:
+        return 1 if self.context is None else len(self.context)
+
+
+def validate(request: RecRequest, limits: SearchLimits) -> ValidRequest:
+    """Check every field; raise `InvalidArgument` naming the field, the value and what is allowed."""
+    rid = request.request_id
+    if rid is not None and (not isinstance(rid, str) or not rid or len(rid) > 256):
+        raise InvalidArgument(f"request_id: got {rid!r}, expected a non-empty string of at most 256 chars")
+    rid = rid or uuid.uuid4().hex
+    try:
+        return _validate(request, limits, rid)
+    except InvalidArgument as e:
+        e.request_id = rid
+        raise
+
+
+def _validate(request: RecRequest, limits: SearchLimits, rid: str) -> ValidRequest:
+    has_ids, has_emb = request.token_ids is not None, request.sparse_embedding is not None
+    if has_ids == has_emb:
+        raise InvalidArgument("give exactly one of token_ids / sparse_embedding, got "
+                              + ("both" if has_ids else "neither"))
+    token_ids = _token_ids(request.token_ids, limits) if has_ids else None
+    embedding = _matrix("sparse_embedding", request.sparse_embedding, limits.d_model) if has_emb else None
+    length = len(token_ids) if has_ids else len(embedding)
+    field_name = "token_ids" if has_ids else "sparse_embedding"
+    if length == 0:
+        raise InvalidArgument(f"{field_name}: empty input; at least one position is required")
+    if length > limits.max_input_len:
+        raise InvalidArgument(f"{field_name}: {length} positions, more than max_input_len="
+                              f"{limits.max_input_len}")
+    context = None
+    if request.decoder_context_embedding is not None:
+        context = _matrix("decoder_context_embedding", request.decoder_context_embedding, limits.d_model)
+        if len(context) == 0:
+            raise InvalidArgument("decoder_context_embedding: 0 rows; give at least one row or omit it")
+    width = _int("beam_width", request.beam_width, limits.default_beam_width, 1, limits.max_beam_width)
+    top_k = _int("top_k", request.top_k, width, width, limits.max_top_k)
+    num_results = _int("num_return_sequences", request.num_return_sequences, width, width,
+                       limits.max_top_k)
+    normalize = request.normalize if request.normalize is not None else limits.default_normalize
+    if normalize not in NORMALIZATIONS:
+        raise InvalidArgument(f"normalize: got {normalize!r}, allowed: {', '.join(NORMALIZATIONS)}")
+    temperature = request.temperature
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not math.isfinite(temperature) or temperature < 0:
+        raise InvalidArgument(f"temperature: got {temperature!r}, expected a finite number >= 0")
+    timeout = request.timeout_ms
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not math.isfinite(timeout) or timeout <= 0):
+        raise InvalidArgument(f"timeout_ms: got {timeout!r}, expected a positive number")
+    if not isinstance(request.return_items, bool):
+        raise InvalidArgument(f"return_items: got {request.return_items!r}, expected true or false")
+    seed = request.seed
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise InvalidArgument(f"seed: got {seed!r}, expected an integer >= 0")
+    return ValidRequest(rid, token_ids, embedding, context, width, top_k, num_results, normalize,
+                        float(temperature), request.return_items, timeout, seed)
+
+
+def _int(name: str, value: Any, default: int, low: int, high: int) -> int:
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidArgument(f"{name}: got {value!r}, expected an integer")
+    if not low <= value <= high:
+        raise InvalidArgument(f"{name}: got {value}, allowed range [{low}, {high}]")
+    return int(value)
+
+
+def _token_ids(values: Any, limits: SearchLimits) -> np.ndarray:
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(f"token_ids: not a list of integers ({e})") from None
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise InvalidArgument(f"token_ids: expected a flat list of integers, got an array of "
+                              f"shape {list(array.shape)} and type {array.dtype}")
+    array = array.astype(np.int64)
+    bad = np.flatnonzero((array < 0) | (array >= limits.vocab_size))
+    if bad.size:
+        raise InvalidArgument(f"token_ids[{bad[0]}]: got {array[bad[0]]}, allowed range "
+                              f"[0, {limits.vocab_size - 1}] (vocab_size={limits.vocab_size})")
+    return array
+
+
+def _matrix(name: str, values: Any, width: int) -> np.ndarray:
+    try:
+        array = np.asarray(values, dtype=np.float32)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(f"{name}: not a numeric matrix ({e})") from None
+    if array.ndim != 2 or array.shape[1] != width:
+        raise InvalidArgument(f"{name}: got shape {list(array.shape)}, expected [length, {width}] "
+                              f"(d_model={width})")
+    finite = np.isfinite(array)
+    if not finite.all():
+        row, col = np.argwhere(~finite)[0]
+        raise InvalidArgument(f"{name}[{row}][{col}]: got {array[row, col]}, NaN and Inf are not allowed")
+    return np.ascontiguousarray(array)

@@ -1,0 +1,257 @@
+"""Catalog file formats (spec/catalog.md): binary default, binary extended, text.
+
+numpy only, no torch. Readers return the columns in file order, duplicates
+included (`ItemCatalog` resolves them), after checking every record:
+
+- default record, 20 bytes: `int64 item_id, int32 t0, int32 t1, int32 t2`;
+- extended record: `int64 item_id, uint32 did_len, did, uint32 type_len, type,
+  int32 t0, int32 t1, int32 t2`, each string UTF-8 and at most 1 MiB;
+- text: one `item_id,t0,t1,t2` per line; blank lines and `#` lines ignored.
+
+All binary fields are little-endian, no header. A bad file raises
+`CatalogError` naming the file, the byte offset of the record (line number for
+text) and the bad value.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from xrec.errors import InvalidArgument
+
+MAX_STRING_BYTES = 1 << 20
+# Triples are packed into one int64 key t0*V*V + t1*V + t2, so V**3 must fit.
+MAX_VOCAB_SIZE = 1 << 21
+DEFAULT_RECORD = np.dtype([("item_id", "<i8"), ("tokens", "<i4", (3,))])  # 20 bytes
+NUM_LEVELS = 3
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_TEXT_LINE = re.compile(r"\s*(-?\d+)\s*,\s*(-?\d+)\s*,\s*(-?\d+)\s*,\s*(-?\d+)\s*")
+
+
+class CatalogError(InvalidArgument):
+    """A catalog file or catalog array that breaks the format of spec/catalog.md."""
+
+
+@dataclass(frozen=True)
+class CatalogColumns:
+    """One catalog file's records in file order (duplicate item ids not yet resolved)."""
+
+    item_ids: np.ndarray  # [n] int64
+    triples: np.ndarray  # [n, 3] int32
+    dids: list[str] | None = None
+    types: list[str] | None = None
+
+
+def check_vocab_size(vocab_size: object) -> int:
+    if (not isinstance(vocab_size, (int, np.integer)) or isinstance(vocab_size, bool)
+            or not 1 <= vocab_size <= MAX_VOCAB_SIZE):
+        raise CatalogError(f"vocab_size: got {vocab_size!r}, expected an integer in "
+                           f"[1, {MAX_VOCAB_SIZE}]")
+    return int(vocab_size)
+
+
+def first_bad_token(triples: np.ndarray, vocab_size: int) -> tuple[int, int] | None:
+    """(row, level) of the first token outside [0, vocab_size), or None."""
+    is_bad = (triples < 0) | (triples >= vocab_size)  # [n, 3]
+    if not is_bad.any():
+        return None
+    row, level = np.argwhere(is_bad)[0]
+    return int(row), int(level)
+
+
+def _check_tokens(path: Path, triples: np.ndarray, vocab_size: int, record_offsets) -> None:
+    bad = first_bad_token(triples, vocab_size)
+    if bad is not None:
+        row, level = bad
+        raise CatalogError(f"catalog {path}: record at offset {record_offsets[row]}: token "
+                           f"t{level} = {int(triples[row, level])} is outside [0, {vocab_size})")
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise CatalogError(f"cannot read catalog file {path}: {exc.strerror or exc}") from exc
+
+
+def read_binary(path: str | os.PathLike, vocab_size: int) -> CatalogColumns:
+    """Reads 20-byte default records, vectorised."""
+    path = Path(path)
+    data = _read_bytes(path)
+    num_items, num_left = divmod(len(data), DEFAULT_RECORD.itemsize)
+    if num_left:
+        raise CatalogError(
+            f"catalog {path}: trailing partial record at offset {num_items * DEFAULT_RECORD.itemsize}"
+            f": {num_left} bytes left, a record is {DEFAULT_RECORD.itemsize} bytes")
+    records = np.frombuffer(data, dtype=DEFAULT_RECORD, count=num_items)  # [n]
+    triples = records["tokens"].astype(np.int32)  # [n, 3]
+    _check_tokens(path, triples, vocab_size, np.arange(num_items) * DEFAULT_RECORD.itemsize)
+    return CatalogColumns(records["item_id"].astype(np.int64), triples)
+
+
+def read_extended(path: str | os.PathLike, vocab_size: int) -> CatalogColumns:
+    """Reads extended records (with did and type strings), one record at a time."""
+    path = Path(path)
+    data = _read_bytes(path)
+    end = len(data)
+    item_ids, dids, types, tokens, record_offsets = [], [], [], [], []
+    offset = 0
+
+    def take(start: int, size: int, field: str) -> int:
+        if offset + size > end:
+            raise CatalogError(f"catalog {path}: trailing partial record at offset {start}: "
+                               f"{field} needs bytes [{offset}, {offset + size}) but the file "
+                               f"ends at {end}")
+        return offset + size
+
+    def take_string(start: int, field: str) -> str:
+        nonlocal offset
+        offset = take(start, 4, f"{field}_len")
+        (size,) = struct.unpack_from("<I", data, offset - 4)
+        if size > MAX_STRING_BYTES:
+            raise CatalogError(f"catalog {path}: record at offset {start}: {field}_len = {size} "
+                               f"at offset {offset - 4} exceeds the limit of {MAX_STRING_BYTES} bytes")
+        offset = take(start, size, field)
+        try:
+            return data[offset - size:offset].decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise CatalogError(f"catalog {path}: record at offset {start}: {field} at offset "
+                               f"{offset - size} is not UTF-8 ({exc.reason})") from exc
+
+    while offset < end:
+        start = offset
+        offset = take(start, 8, "item_id")
+        item_ids.append(struct.unpack_from("<q", data, start)[0])
+        dids.append(take_string(start, "did"))
+        types.append(take_string(start, "type"))
+        offset = take(start, 12, "tokens")
+        tokens.append(struct.unpack_from("<3i", data, offset - 12))
+        record_offsets.append(start)
+    triples = np.array(tokens, dtype=np.int32).reshape(-1, NUM_LEVELS)  # [n, 3]
+    _check_tokens(path, triples, vocab_size, record_offsets)
+    return CatalogColumns(np.array(item_ids, dtype=np.int64), triples, dids, types)
+
+
+def read_text(path: str | os.PathLike, vocab_size: int) -> CatalogColumns:
+    """Reads `item_id,t0,t1,t2` lines; blank lines and lines starting with # are skipped."""
+    path = Path(path)
+    try:
+        text = _read_bytes(path).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CatalogError(f"catalog {path}: byte offset {exc.start} is not UTF-8") from exc
+    rows = []
+    for line_number, line in enumerate(text.splitlines(), start=1):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        match = _TEXT_LINE.fullmatch(stripped)
+        if match is None:
+            raise CatalogError(f"catalog {path}: line {line_number}: {stripped[:80]!r} is not "
+                               f"'item_id,t0,t1,t2' (four integers)")
+        item_id, *triple = (int(field) for field in match.groups())
+        if not _INT64_MIN <= item_id <= _INT64_MAX:
+            raise CatalogError(f"catalog {path}: line {line_number}: item_id = {item_id} "
+                               f"does not fit in int64")
+        for level, token in enumerate(triple):
+            if not 0 <= token < vocab_size:
+                raise CatalogError(f"catalog {path}: line {line_number}: token t{level} = "
+                                   f"{token} is outside [0, {vocab_size})")
+        rows.append((item_id, *triple))
+    table = np.array(rows, dtype=np.int64).reshape(-1, 1 + NUM_LEVELS)  # [n, 4]
+    return CatalogColumns(table[:, 0].copy(), table[:, 1:].astype(np.int32))
+
+
+def as_integer_array(values: Any, name: str) -> np.ndarray:
+    array = np.asarray(values)
+    if array.size == 0 and array.dtype.kind == "f":  # np.asarray([]) is float64
+        return array.astype(np.int64)
+    if array.dtype.kind not in "iu":
+        raise CatalogError(f"{name}: got dtype {array.dtype}, expected integers")
+    if array.dtype == np.uint64 and array.size and array.max() > _INT64_MAX:
+        raise CatalogError(f"{name}: value {int(array.max())} does not fit in int64")
+    return array
+
+
+def prepare_columns(item_ids: Any, triples: Any, vocab_size: int, dids: Any = None,
+                    types: Any = None) -> CatalogColumns:
+    """Checks catalog arrays and applies the file rules: an item id listed more
+    than once keeps only its last record, at the position of that record."""
+    item_ids = as_integer_array(item_ids, "item_ids")
+    triples = as_integer_array(triples, "triples")
+    num_rows = len(item_ids)
+    if num_rows == 0 and triples.size == 0:
+        triples = triples.reshape(0, NUM_LEVELS)  # [0, 3]
+    if item_ids.ndim != 1 or triples.shape != (num_rows, NUM_LEVELS):
+        raise CatalogError(f"item_ids {item_ids.shape} and triples {triples.shape}: expected "
+                           f"shapes [n] and [n, {NUM_LEVELS}]")
+    bad = first_bad_token(triples, vocab_size)
+    if bad is not None:
+        raise CatalogError(f"triples row {bad[0]}: token t{bad[1]} = {int(triples[bad])} is "
+                           f"outside [0, {vocab_size})")
+    if (dids is None) != (types is None):
+        raise CatalogError("dids and types: give both (extended catalog) or neither")
+    if dids is not None:
+        dids, types = list(dids), list(types)
+        if len(dids) != num_rows or len(types) != num_rows:
+            raise CatalogError(f"dids ({len(dids)}) and types ({len(types)}): expected one per "
+                               f"item ({num_rows})")
+        for field, values in (("did", dids), ("type", types)):
+            for row, value in enumerate(values):
+                # a str of at most MAX/4 characters always fits in MAX UTF-8 bytes
+                if not isinstance(value, str) or len(value) > MAX_STRING_BYTES // 4:
+                    encode_string(value, field, row)
+
+    id_order = np.argsort(item_ids, kind="stable")  # [n] equal ids stay in file order
+    sorted_ids = item_ids[id_order]  # [n]
+    is_last = np.ones(num_rows, dtype=bool)  # [n] the last record of its id
+    is_last[:-1] = sorted_ids[:-1] != sorted_ids[1:]
+    if not is_last.all():
+        kept_rows = np.sort(id_order[is_last])  # [n'] file order
+        item_ids, triples = item_ids[kept_rows], triples[kept_rows]
+        if dids is not None:
+            dids, types = [dids[row] for row in kept_rows], [types[row] for row in kept_rows]
+    return CatalogColumns(item_ids.astype(np.int64), triples.astype(np.int32), dids, types)
+
+
+def encode_string(value: str, field: str, row: int) -> bytes:
+    """UTF-8 bytes of a did/type string, checked against the 1 MiB limit."""
+    if not isinstance(value, str):
+        raise CatalogError(f"{field} of row {row}: got {type(value).__name__}, expected str")
+    encoded = value.encode("utf-8")
+    if len(encoded) > MAX_STRING_BYTES:
+        raise CatalogError(f"{field} of row {row}: {len(encoded)} bytes in UTF-8, at most "
+                           f"{MAX_STRING_BYTES} allowed")
+    return encoded
+
+
+def write_binary(path: str | os.PathLike, item_ids: np.ndarray, triples: np.ndarray) -> None:
+    records = np.empty(len(item_ids), dtype=DEFAULT_RECORD)  # [n]
+    records["item_id"] = item_ids
+    records["tokens"] = triples
+    Path(path).write_bytes(records.tobytes())
+
+
+def write_extended(path: str | os.PathLike, item_ids: np.ndarray, triples: np.ndarray,
+                   dids: list[str], types: list[str]) -> None:
+    parts = []
+    for row, (item_id, did, type_, triple) in enumerate(zip(item_ids.tolist(), dids, types,
+                                                            triples.tolist())):
+        did_bytes = encode_string(did, "did", row)
+        type_bytes = encode_string(type_, "type", row)
+        parts += [struct.pack("<qI", item_id, len(did_bytes)), did_bytes,
+                  struct.pack("<I", len(type_bytes)), type_bytes, struct.pack("<3i", *triple)]
+    Path(path).write_bytes(b"".join(parts))
+
+
+def write_text(path: str | os.PathLike, item_ids: np.ndarray, triples: np.ndarray) -> None:
+    lines = ["# item_id,t0,t1,t2"]
+    lines += [f"{item_id},{t0},{t1},{t2}"
+              for item_id, (t0, t1, t2) in zip(item_ids.tolist(), triples.tolist())]
+    Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")

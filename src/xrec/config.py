@@ -1,0 +1,278 @@
+"""Model configuration: `config.json` in its two dialects. No torch import here.
+
+`ModelConfig.from_dict` accepts xllm's `"onerec"` keys (with xllm's defaults)
+and Hugging Face's `"t5"` keys (gated-SiLU only). `to_dict` writes the
+`"onerec"` dialect.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"config key {name!r}: got {value!r}, expected an integer >= 1")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The OneRec network's shape. Encoder and decoder may differ in heads."""
+
+    d_model: int = 128
+    d_ff: int = 256
+    num_encoder_layers: int = 12
+    num_decoder_layers: int = 4
+    num_heads: int = 4
+    head_dim: int = 32
+    num_kv_heads: int = 4
+    decoder_num_heads: int = 4
+    decoder_head_dim: int = 32
+    decoder_num_kv_heads: int = 4
+    vocab_size: int = 8200
+    layer_norm_epsilon: float = 1e-6
+    use_absolute_position_embedding: bool = False
+    tie_word_embeddings: bool = True
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    bos_token_id: int = 0
+    use_moe: bool = False
+    moe_num_experts: int = 8
+    moe_topk: int = 2
+    moe_inter_dim: int = 1024
+    moe_route_scale: float = 1.0
+    moe_use_shared_experts: bool = False
+    moe_num_shared_experts: int = 0
+    torch_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "d_ff", "num_encoder_layers", "num_decoder_layers", "num_heads",
+                     "head_dim", "num_kv_heads", "decoder_num_heads", "decoder_head_dim",
+                     "decoder_num_kv_heads", "vocab_size", "relative_attention_num_buckets",
+                     "relative_attention_max_distance"):
+            _check_positive(name, getattr(self, name))
+        for heads, kv, prefix in ((self.num_heads, self.num_kv_heads, ""),
+                                  (self.decoder_num_heads, self.decoder_num_kv_heads, "decoder_")):
+            if heads % kv:
+                raise ValueError(
+                    f"config key {prefix}num_key_value_heads: got {kv}, which does not divide "
+                    f"{prefix}num_heads={heads}; allowed: a divisor of {prefix}num_heads")
+        if not 0 <= self.bos_token_id < self.vocab_size:
+            raise ValueError(f"config key 'bos_token_id': got {self.bos_token_id}, "
+                             f"expected 0 <= id < vocab_size={self.vocab_size}")
+        if not self.layer_norm_epsilon > 0:
+            raise ValueError(f"config key 'layer_norm_epsilon': got {self.layer_norm_epsilon!r}, "
+                             "expected a positive number")
+        if self.torch_dtype not in DTYPES:
+            raise ValueError(f"config key 'torch_dtype': got {self.torch_dtype!r}, allowed: {DTYPES}")
+        if self.use_moe:
+            _check_positive("moe_num_experts", self.moe_num_experts)
+            _check_positive("moe_inter_dim", self.moe_inter_dim)
+            if not 1 <= self.moe_topk <= self.moe_num_experts:
+                raise ValueError(f"config key 'moe_topk': got {self.moe_topk}, expected "
+                                 f"1 <= moe_topk <= moe_num_experts={self.moe_num_experts}")
+            if self.moe_use_shared_experts and self.moe_num_shared_experts < 1:
+                raise ValueError("config key 'moe_num_shared_experts': got "
+                                 f"{self.moe_num_shared_experts} with moe_use_shared_experts=true; "
+                                 "expected >= 1")
+
+    @property
+    def attention_scale(self) -> float:
+        """T5 does not scale scores; xllm's shared-expert models use 1/sqrt(head_dim)."""
+        return self.decoder_head_dim ** -0.5 if self.moe_use_shared_experts else 1.0
+
+    @property
+    def encoder_attention_scale(self) -> float:
+        return self.head_dim ** -0.5 if self.moe_use_shared_experts else 1.0
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameter count (tied embedding counted once)."""
+        d, v = self.d_model, self.vocab_size
+        enc_attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        dec_attn = d * self.decoder_head_dim * (2 * self.decoder_num_heads + 2 * self.decoder_num_kv_heads)
+        ffn = 3 * d * self.d_ff
+        if self.use_moe:
+            dec_ffn = d * self.moe_num_experts + 3 * d * self.moe_inter_dim * (
+                self.moe_num_experts + (self.moe_num_shared_experts if self.moe_use_shared_experts else 0))
+        else:
+            dec_ffn = ffn
+        total = v * d * (1 if self.tie_word_embeddings else 2)
+        total += self.num_encoder_layers * (enc_attn + ffn + 2 * d) + d
+        total += self.num_decoder_layers * (2 * dec_attn + dec_ffn + 3 * d) + d
+        if not self.use_absolute_position_embedding:
+            total += self.relative_attention_num_buckets * (self.num_heads + self.decoder_num_heads)
+        return total
+
+    # ---- config.json -------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        model_type = raw.get("model_type", "onerec")
+        if model_type == "onerec":
+            return cls(**_onerec_fields(raw))
+        if model_type == "t5":
+            return cls(**_t5_fields(raw))
+        raise ValueError(f"config key 'model_type': got {model_type!r}, allowed: 'onerec', 't5'")
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"no config.json at {path}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+        return cls.from_dict(raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `"onerec"` dialect, readable by xllm and by `from_dict`."""
+        d = asdict(self)
+        out = {"model_type": "onerec"}
+        for ours, theirs in _ONEREC_RENAMES.items():
+            out[theirs] = d.pop(ours)
+        out.update(d)
+        return out
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        d = asdict(self)
+        d.update(changes)
+        return ModelConfig(**d)
+
+
+# our field name -> xllm key
+_ONEREC_RENAMES = {
+    "num_encoder_layers": "num_layers",
+    "head_dim": "d_kv",
+    "decoder_head_dim": "decoder_d_kv",
+    "num_kv_heads": "num_key_value_heads",
+    "decoder_num_kv_heads": "decoder_num_key_value_heads",
+}
+_FIELD_NAMES = {f.name for f in fields(ModelConfig)}
+
+
+def _get(raw: dict[str, Any], key: str, default: Any, kind: type) -> Any:
+    value = raw.get(key, default)
+    if value is None:
+        value = default
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"config key {key!r}: got {value!r}, expected true or false")
+    elif kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"config key {key!r}: got {value!r}, expected an integer")
+    elif kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"config key {key!r}: got {value!r}, expected a number")
+        value = float(value)
+    return value
+
+
+def _common_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "d_model": _get(raw, "d_model", 128, int),
+        "d_ff": _get(raw, "d_ff", 256, int),
+        "vocab_size": _get(raw, "vocab_size", 8200, int),
+        "layer_norm_epsilon": _get(raw, "layer_norm_epsilon", 1e-6, float),
+        "use_absolute_position_embedding": _get(raw, "use_absolute_position_embedding", False, bool),
+        "tie_word_embeddings": _get(raw, "tie_word_embeddings", True, bool),
+        "relative_attention_num_buckets": _get(raw, "relative_attention_num_buckets", 32, int),
+        "relative_attention_max_distance": _get(raw, "relative_attention_max_distance", 128, int),
+    }
+
+
+def _onerec_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    score_func = raw.get("moe_score_func", "softmax")
+    if score_func != "softmax":
+        raise ValueError(f"config key 'moe_score_func': got {score_func!r}, allowed: 'softmax' "
+                         "(xrec does not implement other router score functions)")
+    heads = _get(raw, "num_heads", 4, int)
+    kv = _get(raw, "num_key_value_heads", heads, int)
+    dec_heads = _get(raw, "decoder_num_heads", heads, int)
+    d_kv = _get(raw, "d_kv", 32, int)
+    # xllm: decoder kv heads fall back to num_key_value_heads, then to the decoder's heads.
+    dec_kv_default = raw.get("num_key_value_heads") or dec_heads
+    out = _common_fields(raw)
+    out.update(
+        num_encoder_layers=_get(raw, "num_layers", 12, int),
+        num_decoder_layers=_get(raw, "num_decoder_layers", 4, int),
+        num_heads=heads,
+        head_dim=d_kv,
+        num_kv_heads=kv,
+        decoder_num_heads=dec_heads,
+        decoder_head_dim=_get(raw, "decoder_d_kv", d_kv, int),
+        decoder_num_kv_heads=_get(raw, "decoder_num_key_value_heads", dec_kv_default, int),
+        bos_token_id=_get(raw, "bos_token_id", 0, int),
+        use_moe=_get(raw, "use_moe", False, bool),
+        moe_num_experts=_get(raw, "moe_num_experts", 8, int),
+        moe_topk=_get(raw, "moe_topk", 2, int),
+        moe_inter_dim=_get(raw, "moe_inter_dim", 1024, int),
+        moe_route_scale=_get(raw, "moe_route_scale", 1.0, float),
+        moe_use_shared_experts=_get(raw, "moe_use_shared_experts", False, bool),
+        moe_num_shared_experts=_get(raw, "moe_num_shared_experts", 0, int),
+        torch_dtype=_dtype_name(raw.get("torch_dtype", "bfloat16")),
+    )
+    return out
+
+
+def _t5_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    proj = raw.get("feed_forward_proj", "relu")
+    if proj != "gated-silu":
+        raise ValueError(f"config key 'feed_forward_proj': got {proj!r}, allowed: 'gated-silu' "
+                         "(the OneRec feed-forward is a gated SiLU)")
+    for key in ("d_model", "d_kv", "num_heads", "num_layers", "vocab_size"):
+        if key not in raw:
+            raise ValueError(f"config key {key!r} is missing (required in the 't5' dialect)")
+    heads = _get(raw, "num_heads", 8, int)
+    d_kv = _get(raw, "d_kv", 64, int)
+    layers = _get(raw, "num_layers", 6, int)
+    out = _common_fields(raw)
+    out.update(
+        num_encoder_layers=layers,
+        num_decoder_layers=_get(raw, "num_decoder_layers", layers, int),
+        num_heads=heads, head_dim=d_kv, num_kv_heads=heads,
+        decoder_num_heads=heads, decoder_head_dim=d_kv, decoder_num_kv_heads=heads,
+        bos_token_id=_get(raw, "decoder_start_token_id", 0, int),
+        torch_dtype=_dtype_name(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+    )
+    return out
+
+
+def _dtype_name(value: Any) -> str:
+    aliases = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+               "half": "float16"}
+    name = aliases.get(str(value), str(value))
+    if name not in DTYPES:
+        raise ValueError(f"config key 'torch_dtype': got {value!r}, allowed: {DTYPES}")
+    return name
+
+
+# ---- named sizes for `xrec make-model` ------------------------------------
+
+MODEL_SIZES: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(d_model=32, d_ff=64, num_encoder_layers=2, num_decoder_layers=2, num_heads=4,
+                        head_dim=8, num_kv_heads=2, decoder_num_heads=4, decoder_head_dim=8,
+                        decoder_num_kv_heads=2, vocab_size=64, relative_attention_max_distance=32,
+                        torch_dtype="float32"),
+    "onerec-0.015b": ModelConfig(d_model=128, d_ff=256, num_encoder_layers=2, num_decoder_layers=2,
+                                 num_heads=4, head_dim=32, num_kv_heads=4, decoder_num_heads=4,
+                                 decoder_head_dim=32, decoder_num_kv_heads=4, vocab_size=8192,
+                                 torch_dtype="float32"),
+    "onerec-0.1b": ModelConfig(d_model=1024, d_ff=2048, num_encoder_layers=4, num_decoder_layers=4,
+                               num_heads=8, head_dim=128, num_kv_heads=8, decoder_num_heads=8,
+                               decoder_head_dim=128, decoder_num_kv_heads=8, vocab_size=8192,
+                               torch_dtype="float32"),
+    "onerec-1b-moe": ModelConfig(d_model=1024, d_ff=2048, num_encoder_layers=4, num_decoder_layers=4,
+                                 num_heads=8, head_dim=128, num_kv_heads=8, decoder_num_heads=8,
+                                 decoder_head_dim=128, decoder_num_kv_heads=8, vocab_size=8192,
+                                 use_moe=True, moe_num_experts=24, moe_topk=2, moe_inter_dim=2048,
+                                 torch_dtype="float32"),
+}

@@ -1,0 +1,161 @@
+"""What the scheduler knows about a request and a batch: sizes, deadline, one future.
+
+No torch or numpy here: the scheduler is bookkeeping and is tested on a CPU in
+milliseconds. The payload is opaque to the scheduler; the executor reads it.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from xrec.errors import XrecError
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(eq=False)
+class ScheduledRequest:
+    """One request as the scheduler sees it: sizes, deadline, an opaque payload, one future.
+
+    `deadline` and `enqueued_at` are in the scheduler clock's seconds
+    (`time.monotonic()` by default); `deadline=None` means no deadline.
+    The future is answered exactly once: `answer` / `fail` return False (and
+    never raise) when it was already answered or cancelled.
+    """
+
+    request_id: str
+    num_tokens: int          # encoder + decoder-prefix tokens
+    beam_width: int
+    num_results: int         # N (num_return_sequences)
+    payload: Any
+    deadline: float | None = None
+    future: Future = field(default_factory=Future)
+    enqueued_at: float = 0.0  # set by FixedStepsScheduler.submit()
+    # Owned by the scheduler: set under its lock on submit / by its loop thread only.
+    _is_submitted: bool = field(default=False, init=False, repr=False)
+    _num_overtaken: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name, low in (("num_tokens", 0), ("beam_width", 1), ("num_results", 1)):
+            value = getattr(self, name)
+            if not _is_int(value) or value < low:
+                raise ValueError(f"ScheduledRequest.{name}: got {value!r}, "
+                                 f"expected an integer >= {low}")
+
+    def answer(self, result: Any) -> bool:
+        """Set the result; False if the future was already answered or cancelled."""
+        try:
+            self.future.set_result(result)
+        except InvalidStateError:
+            return False
+        return True
+
+    def mark_running(self) -> bool:
+        """Once running, cancel() fails and the executor owns the answer. False: drop it."""
+        try:
+            return self.future.set_running_or_notify_cancel()
+        except RuntimeError:  # already answered elsewhere
+            return False
+
+    def fail(self, exc: BaseException) -> bool:
+        """Set the exception (tagged with this request's id); False if already done."""
+        if isinstance(exc, XrecError) and exc.request_id is None:
+            exc.request_id = self.request_id
+        try:
+            self.future.set_exception(exc)
+        except InvalidStateError:
+            return False
+        return True
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """Per-batch budgets and queue limits of the FixedStepsScheduler.
+
+    Every launched batch holds at most `max_seqs_per_batch` requests, whose
+    `num_tokens` sum to at most `max_tokens_per_batch`, whose `beam_width` sum
+    to at most `max_beams_per_batch`, and whose workspace estimate is at most
+    `max_workspace_bytes` (one pipeline's workspace). At most `max_concurrency`
+    batches are in flight; at most `request_queue_size` requests wait to be
+    launched. `batch_wait_ms` lets a free pipeline wait that long (from the
+    oldest waiting request) to fill a partial batch. `max_overtakes` > 0 lets
+    smaller requests join a batch past one that does not fit; each request can
+    be passed over by at most that many batches.
+    """
+
+    max_seqs_per_batch: int
+    max_tokens_per_batch: int
+    max_beams_per_batch: int
+    max_workspace_bytes: int
+    max_concurrency: int
+    request_queue_size: int
+    batch_wait_ms: float = 0.0
+    max_overtakes: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_seqs_per_batch", "max_tokens_per_batch", "max_beams_per_batch",
+                     "max_workspace_bytes", "max_concurrency", "request_queue_size"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"BatchLimits.{name}: got {value!r}, expected an integer >= 1")
+        if not _is_int(self.max_overtakes) or self.max_overtakes < 0:
+            raise ValueError(f"BatchLimits.max_overtakes: got {self.max_overtakes!r}, "
+                             "expected an integer >= 0")
+        wait = self.batch_wait_ms
+        if (not isinstance(wait, (int, float)) or isinstance(wait, bool) or not math.isfinite(wait)
+                or wait < 0):
+            raise ValueError(f"BatchLimits.batch_wait_ms: got {wait!r}, "
+                             "expected a finite number >= 0")
+
+    def why_too_big(self, request: ScheduledRequest, num_bytes: int) -> str | None:
+        """Why `request` (needing `num_bytes` of workspace) could not fit even an empty batch."""
+        if request.num_tokens > self.max_tokens_per_batch:
+            return (f"request needs {request.num_tokens} tokens; "
+                    f"max_tokens_per_batch={self.max_tokens_per_batch}")
+        if request.beam_width > self.max_beams_per_batch:
+            return (f"request needs beam_width={request.beam_width}; "
+                    f"max_beams_per_batch={self.max_beams_per_batch}")
+        if num_bytes > self.max_workspace_bytes:
+            return (f"request needs {num_bytes} workspace bytes; "
+                    f"max_workspace_bytes={self.max_workspace_bytes}")
+        return None
+
+
+@dataclass
+class BatchBuilder:
+    """A batch being built: its requests so far and the budgets they use."""
+
+    limits: BatchLimits
+    requests: list[ScheduledRequest] = field(default_factory=list)
+    num_tokens: int = 0
+    num_beams: int = 0
+
+    @property
+    def is_full(self) -> bool:
+        return len(self.requests) >= self.limits.max_seqs_per_batch
+
+    def try_add(self, request: ScheduledRequest,
+                workspace_bytes: Callable[[Sequence[ScheduledRequest]], int]) -> bool:
+        """Add `request` if the batch stays within every budget; False (unchanged) if not."""
+        limits = self.limits
+        if (self.is_full or self.num_tokens + request.num_tokens > limits.max_tokens_per_batch
+                or self.num_beams + request.beam_width > limits.max_beams_per_batch):
+            return False
+        self.requests.append(request)
+        try:
+            is_fit = workspace_bytes(self.requests) <= limits.max_workspace_bytes
+        except BaseException:
+            self.requests.pop()
+            raise
+        if not is_fit:
+            self.requests.pop()
+            return False
+        self.num_tokens += request.num_tokens
+        self.num_beams += request.beam_width
+        return True

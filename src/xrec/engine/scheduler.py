@@ -1,0 +1,304 @@
+"""FixedStepsScheduler: bounded request queue -> FIFO waiting queue -> batches under budgets.
+
+Bookkeeping only (no torch, no numpy). One loop thread builds batches and hands
+each to `launch`; the executor answers the requests of a launched batch and
+calls `batch_done()` once per batch, whatever the outcome. The scheduler
+answers only the requests it refuses (submit), drops (deadline passed) or
+shuts down (close); cancelled requests are dropped without an answer.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+
+from xrec.engine.requests import BatchBuilder, BatchLimits, ScheduledRequest
+from xrec.errors import DeadlineExceeded, Internal, ResourceExhausted, Unavailable, XrecError
+
+__all__ = ["BatchLimits", "FixedStepsScheduler", "ScheduledRequest"]
+
+logger = logging.getLogger(__name__)
+
+MAX_IDLE_WAIT_S = 0.05  # the loop looks at the clock at least this often
+_KEEP = object()        # _drop_reason: the request stays in the queue
+Dropped = list[tuple[ScheduledRequest, "XrecError | None"]]  # None: drop without an answer
+
+
+class FixedStepsScheduler:
+    """Admits requests FIFO into batches that fit `limits`; at most `max_concurrency` in flight.
+
+    `workspace_bytes(batch)` is the executor's own workspace estimate and must
+    not shrink when a request is added. `clock` is the time base of request
+    deadlines (`time.monotonic` by default). `submit` never blocks.
+    """
+
+    def __init__(self, limits: BatchLimits,
+                 launch: Callable[[list[ScheduledRequest]], None],
+                 workspace_bytes: Callable[[Sequence[ScheduledRequest]], int],
+                 clock: Callable[[], float] = time.monotonic):
+        self._limits, self._launch = limits, launch
+        self._workspace_bytes, self._clock = workspace_bytes, clock
+        # Shared state below is touched only under self._cond's plain lock, which is never
+        # held while calling launch(), workspace_bytes() or answering a future.
+        self._cond = threading.Condition(threading.Lock())
+        self._incoming: collections.deque[ScheduledRequest] = collections.deque()
+        self._num_pending = 0      # submitted; not yet launched, dropped or refused
+        self._num_running = 0      # launched batches without batch_done() yet
+        self._num_events = 0       # bumped by every change the loop must look at
+        self._is_sweep_needed = False  # a waiting request was cancelled
+        self._is_closing = False   # submit() refuses; partial batches are not held
+        self._is_stopping = False  # the loop fails what still waits and exits
+        self._thread: threading.Thread | None = None
+        # Owned by the loop thread only.
+        self._waiting: collections.deque[ScheduledRequest] = collections.deque()
+        self._next_deadline = math.inf  # no waiting request expires before this
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted and not yet launched or answered."""
+        with self._cond:
+            return self._num_pending
+
+    @property
+    def num_running_batches(self) -> int:
+        with self._cond:
+            return self._num_running
+
+    def start(self) -> None:
+        """Start the loop thread (a daemon). Requests submitted before wait for it."""
+        with self._cond:
+            if self._thread is not None or self._is_closing:
+                raise RuntimeError("FixedStepsScheduler.start: already started or closed")
+            self._thread = threading.Thread(target=self._run, name="xrec-scheduler", daemon=True)
+            self._thread.start()
+
+    def submit(self, request: ScheduledRequest) -> None:
+        """Queue a request, or fail its future with the refusal and raise that error too."""
+        error: XrecError | None = None
+        with self._cond:
+            if self._is_closing:
+                error = Unavailable("server is shutting down")
+        if error is None:
+            try:
+                reason = self._limits.why_too_big(request, self._workspace_bytes([request]))
+                error = ResourceExhausted(reason) if reason else None
+            except Exception as exc:  # an estimator bug fails this request only
+                error = Internal(f"workspace estimate failed: {exc!r}")
+        if error is None:
+            request.future.add_done_callback(self._on_future_done)
+            with self._cond:
+                if request._is_submitted:
+                    raise ValueError(f"request {request.request_id!r} was already submitted")
+                if self._is_closing:
+                    error = Unavailable("server is shutting down")
+                elif self._num_pending >= self._limits.request_queue_size:
+                    error = ResourceExhausted(
+                        f"request queue is full with {self._num_pending} requests; "
+                        f"request_queue_size={self._limits.request_queue_size}")
+                else:
+                    request._is_submitted = True
+                    request.enqueued_at = self._clock()
+                    self._incoming.append(request)
+                    self._num_pending += 1
+                    self._notify_loop()
+                    return
+        request.fail(error)
+        raise error
+
+    def batch_done(self) -> None:
+        """The executor finished one launched batch (any outcome); frees its slot."""
+        with self._cond:
+            if self._num_running < 1:
+                raise RuntimeError("batch_done() called more often than batches were launched")
+            self._num_running -= 1
+            self._notify_loop()
+
+    def close(self, grace_s: float = 30.0) -> None:
+        """Stop accepting; drain for up to `grace_s`; fail what still waits UNAVAILABLE.
+
+        Batches in flight after the grace period stay with the executor. Idempotent.
+        From the loop thread itself (a future callback) it only tells the loop to stop.
+        """
+        with self._cond:
+            self._is_closing = True
+            self._notify_loop()
+            thread, leftover = self._thread, []
+            is_loop_thread = threading.current_thread() is thread
+            self._is_stopping |= thread is None or is_loop_thread
+            if thread is None:  # never started: nobody else will answer these
+                leftover = list(self._incoming)
+                self._incoming.clear()
+                self._num_pending -= len(leftover)
+        if thread is None or is_loop_thread:
+            _fail_all(leftover, Unavailable("server is shutting down"))
+            return
+        with self._cond:
+            self._cond.wait_for(lambda: self._is_stopping or (
+                self._num_pending == 0 and self._num_running == 0), timeout=max(0.0, grace_s))
+            self._is_stopping = True
+            self._notify_loop()
+        thread.join(timeout=max(1.0, grace_s))
+        if thread.is_alive():
+            logger.error("scheduler loop did not stop; is launch() blocking?")
+
+    def _notify_loop(self) -> None:
+        """Caller holds the lock."""
+        self._num_events += 1
+        self._cond.notify_all()
+
+    def _on_future_done(self, future: Future) -> None:
+        if future.cancelled():  # the client went away: the loop drops it and frees its slot
+            with self._cond:
+                self._is_sweep_needed = True
+                self._notify_loop()
+
+    # ---- loop thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._step():
+                pass
+        except BaseException as exc:  # a bug here must not leave futures unanswered
+            logger.exception("scheduler loop failed; failing every waiting request")
+            with self._cond:
+                self._is_closing = self._is_stopping = True
+                leftover = [*self._waiting, *self._incoming]
+                self._waiting.clear()
+                self._incoming.clear()
+                self._num_pending -= len(leftover)
+                self._cond.notify_all()
+            _fail_all(leftover, Internal(f"scheduler loop failed: {exc!r}"))
+            raise
+
+    def _step(self) -> bool:
+        """One pass: take new requests, drop dead ones, launch a batch or wait. False: stop."""
+        with self._cond:
+            for request in self._incoming:
+                if request.deadline is not None:
+                    self._next_deadline = min(self._next_deadline, request.deadline)
+            self._waiting.extend(self._incoming)
+            self._incoming.clear()
+            is_stopping, leftover = self._is_stopping, []
+            if is_stopping:
+                leftover = list(self._waiting)
+                self._waiting.clear()
+                self._num_pending -= len(leftover)
+                self._cond.notify_all()
+            num_events = self._num_events
+            is_sweep_needed, self._is_sweep_needed = self._is_sweep_needed, False
+            is_pipeline_free = self._num_running < self._limits.max_concurrency
+            is_closing = self._is_closing
+        if is_stopping:
+            _fail_all(leftover, Unavailable("server is shutting down"))
+            return False
+        now = self._clock()
+        dropped: Dropped = self._sweep(now) if is_sweep_needed or now >= self._next_deadline else []
+        batch, hold_until = [], math.inf
+        if is_pipeline_free and self._waiting:
+            batch, hold_until = self._take_batch(now, is_closing, dropped)
+            for request in [r for r in batch if not r.mark_running()]:
+                batch.remove(request)  # cancelled just now
+                dropped.append((request, None))
+        if dropped or batch:
+            with self._cond:
+                self._num_pending -= len(dropped) + len(batch)
+                self._num_running += bool(batch)
+                self._cond.notify_all()
+            for request, error in dropped:
+                if error is not None:
+                    request.fail(error)
+            if batch:
+                self._launch_batch(batch)
+            return True
+        timeout = min(MAX_IDLE_WAIT_S, self._next_deadline - now, hold_until - now)
+        with self._cond:
+            self._cond.wait_for(lambda: self._num_events != num_events or self._is_stopping,
+                                timeout=max(0.0, timeout))
+        return True
+
+    def _drop_reason(self, request: ScheduledRequest, now: float) -> object:
+        """_KEEP, None (cancelled or answered elsewhere: drop silently) or the error to fail with."""
+        if request.future.done():
+            return None
+        if request.deadline is not None and now >= request.deadline:
+            return DeadlineExceeded(f"deadline passed after {now - request.enqueued_at:.3f} s "
+                                    "in the waiting queue")
+        return _KEEP
+
+    def _sweep(self, now: float) -> Dropped:
+        dropped, kept = [], collections.deque()
+        self._next_deadline = math.inf
+        for request in self._waiting:
+            reason = self._drop_reason(request, now)
+            if reason is not _KEEP:
+                dropped.append((request, reason))
+                continue
+            kept.append(request)
+            if request.deadline is not None:
+                self._next_deadline = min(self._next_deadline, request.deadline)
+        self._waiting = kept
+        return dropped
+
+    def _take_batch(self, now: float, is_closing: bool, dropped: Dropped,
+                    ) -> tuple[list[ScheduledRequest], float]:
+        """Remove the next batch from the head of the waiting queue; return it and hold_until.
+
+        Returns no batch while now < hold_until (a partial batch may wait to fill).
+        Dead requests met on the way are removed and appended to `dropped`.
+        """
+        builder = BatchBuilder(self._limits)
+        skipped: list[tuple[int, ScheduledRequest]] = []
+        num_dropped_before, last_admitted, is_blocked = len(dropped), -1, False
+        for position, request in enumerate(self._waiting):
+            reason = self._drop_reason(request, now)
+            if reason is not _KEEP:
+                dropped.append((request, reason))
+                continue
+            try:
+                if builder.try_add(request, self._workspace_bytes):
+                    last_admitted = position
+                    if builder.is_full:
+                        break
+                    continue
+            except Exception as exc:  # an estimator bug fails this request only
+                dropped.append((request, Internal(f"workspace estimate failed: {exc!r}")))
+                continue
+            is_blocked = True
+            if request._num_overtaken >= self._limits.max_overtakes:
+                break  # FIFO: nothing passes this request
+            skipped.append((position, request))
+        batch, hold_until = builder.requests, math.inf
+        if batch and not (builder.is_full or is_blocked or is_closing):
+            hold_until = batch[0].enqueued_at + self._limits.batch_wait_ms / 1000.0
+        is_holding = now < hold_until
+        removed = {id(request) for request, _ in dropped[num_dropped_before:]}
+        if not is_holding:
+            removed.update(id(request) for request in batch)
+            for position, request in skipped:
+                request._num_overtaken += position < last_admitted
+        if skipped or is_holding:
+            if removed:
+                self._waiting = collections.deque(r for r in self._waiting if id(r) not in removed)
+        else:  # without skips, what was taken or dropped is a prefix of the queue
+            for _ in range(len(removed)):
+                self._waiting.popleft()
+        return ([], hold_until) if is_holding else (batch, hold_until)
+
+    def _launch_batch(self, batch: list[ScheduledRequest]) -> None:
+        try:
+            self._launch(batch)
+        except Exception as exc:  # fail this batch and keep serving
+            logger.exception("launch failed for a batch of %d requests", len(batch))
+            for request in batch:
+                request.fail(Internal(f"launching the batch failed: {exc!r}"))
+            self.batch_done()
+
+
+def _fail_all(requests: list[ScheduledRequest], error: XrecError) -> None:
+    for request in requests:
+        request.fail(type(error)(error.message))

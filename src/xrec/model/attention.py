@@ -1,0 +1,119 @@
+"""Attention: projections, plain attention, and xAttention's two stages and merge.
+
+xAttention (spec/xattention.md): the W beams of one request share the decoder
+prefix and the encoder output. Their keys are stored once per request and
+attended by all W beam queries at once (the *shared* stage); each beam's own
+generated tokens are attended separately (the *unshared* stage); the two
+partial softmaxes are merged exactly through their log-sum-exps.
+
+Layouts: beam queries `q` are `[B, W, H, Dh]`; shared keys `[B, kvH, P, Dh]`;
+unshared keys `[B, W, S, kvH, Dh]`. Query head h reads kv head h // G with
+G = H / kvH. Softmax statistics are float32 whatever the model dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attention(nn.Module):
+    """q/k/v/o projections with Hugging Face T5 names; block 0 owns the relative bias table."""
+
+    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 num_buckets: int | None = None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q = nn.Linear(d_model, num_heads * head_dim, bias=False)
+        self.k = nn.Linear(d_model, num_kv_heads * head_dim, bias=False)
+        self.v = nn.Linear(d_model, num_kv_heads * head_dim, bias=False)
+        self.o = nn.Linear(num_heads * head_dim, d_model, bias=False)
+        if num_buckets is not None:
+            self.relative_attention_bias = nn.Embedding(num_buckets, num_heads)
+
+    def project_q(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q(x).unflatten(-1, (self.num_heads, self.head_dim))        # [..., H, Dh]
+
+    def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (self.num_kv_heads, self.head_dim)
+        return self.k(x).unflatten(-1, shape), self.v(x).unflatten(-1, shape)  # [..., kvH, Dh]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           scale: float) -> torch.Tensor:
+    """Plain attention, `q [B, H, Lq, Dh]`, `k/v [B, kvH, Lk, Dh]`, additive float mask
+    broadcastable to `[B, H, Lq, Lk]` (bias and -inf padding). Returns `[B, H, Lq, Dh]`."""
+    if mask is not None:
+        mask = mask.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+def attend_beams(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+                 scale: float) -> torch.Tensor:
+    """The W beam queries of each request against that request's keys, no per-beam copy.
+
+    `q [B, W, H, Dh]`, `k/v [B, kvH, L, Dh]`, `key_mask [B, 1, 1, L]` additive or None.
+    The G query heads of a kv head and the W beams fold into one query axis, so one
+    kernel call serves every beam. Returns `[B, W, H, Dh]`.
+    """
+    num_batch, num_beams, num_heads, head_dim = q.shape
+    num_kv = k.shape[1]
+    group = num_heads // num_kv
+    qg = q.view(num_batch, num_beams, num_kv, group, head_dim).permute(0, 2, 3, 1, 4)
+    qg = qg.reshape(num_batch, num_kv, group * num_beams, head_dim)      # [B, kvH, G*W, Dh]
+    out = attend(qg, k, v, key_mask, scale)
+    out = out.view(num_batch, num_kv, group, num_beams, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(num_batch, num_beams, num_heads, head_dim)
+
+
+def shared_stage(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shared stage: `q [B, W, H, Dh]` against the request's prefix `k/v [B, kvH, P, Dh]`,
+    non-causal; `bias [B, H, P]` additive (position bias and -inf padding) or None.
+    Returns `o [B, W, H, Dh]` and `lse [B, W, H]` (float32)."""
+    num_batch, num_beams, num_heads, head_dim = q.shape
+    num_kv, num_keys = k.shape[1], k.shape[2]
+    group = num_heads // num_kv
+    qg = q.view(num_batch, num_beams, num_kv, group, head_dim).permute(0, 2, 3, 1, 4)
+    qg = qg.reshape(num_batch, num_kv, group * num_beams, head_dim)      # [B, kvH, G*W, Dh]
+    scores = (qg @ k.transpose(-1, -2)).float() * scale                  # [B, kvH, G*W, P]
+    scores = scores.view(num_batch, num_kv, group, num_beams, num_keys)
+    if bias is not None:
+        scores = scores + bias.view(num_batch, num_kv, group, 1, num_keys)
+    lse = torch.logsumexp(scores, dim=-1)                                 # [B, kvH, G, W]
+    probs = torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype)
+    out = probs.view(num_batch, num_kv, group * num_beams, num_keys) @ v  # [B, kvH, G*W, Dh]
+    out = out.view(num_batch, num_kv, group, num_beams, head_dim).permute(0, 3, 1, 2, 4)
+    return (out.reshape(num_batch, num_beams, num_heads, head_dim),
+            lse.permute(0, 3, 1, 2).reshape(num_batch, num_beams, num_heads))
+
+
+def unshared_stage(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unshared stage: each beam's query against its own generated slots,
+    `q [B, W, H, Dh]`, `k/v [B, W, S, kvH, Dh]`, `bias [H, S]` or None.
+    Returns `o [B, W, H, Dh]` and `lse [B, W, H]` (float32)."""
+    num_batch, num_beams, num_heads, head_dim = q.shape
+    num_slots, num_kv = k.shape[2], k.shape[3]
+    group = num_heads // num_kv
+    qg = q.view(num_batch, num_beams, num_kv, group, head_dim)
+    scores = torch.einsum("bwkgd,bwskd->bwkgs", qg, k).float() * scale    # [B, W, kvH, G, S]
+    if bias is not None:
+        scores = scores + bias.view(1, 1, num_kv, group, num_slots)
+    lse = torch.logsumexp(scores, dim=-1)                                 # [B, W, kvH, G]
+    probs = torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype)
+    out = torch.einsum("bwkgs,bwskd->bwkgd", probs, v)
+    return (out.reshape(num_batch, num_beams, num_heads, head_dim),
+            lse.reshape(num_batch, num_beams, num_heads))
+
+
+def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
+                 lse_b: torch.Tensor) -> torch.Tensor:
+    """Exact softmax over the union of two key sets from their partial results (float32 math)."""
+    top = torch.maximum(lse_a, lse_b)
+    w_a, w_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
+    total = w_a + w_b
+    merged = o_a.float() * (w_a / total).unsqueeze(-1) + o_b.float() * (w_b / total).unsqueeze(-1)
+    return merged.to(o_a.dtype)

@@ -1,0 +1,223 @@
+"""RecStep: one batch of requests, all R rounds, on one device (and stream).
+
+    round 0:  encoder -> cross K/V -> decoder prefix -> top-W first tokens
+    round r:  decoder step for B x W beams (xAttention) -> constrained top-K
+              -> global top-W (top-N in the last round) -> reorder beam K/V
+
+The rounds run back to back without a host synchronisation; the results are
+copied to the host once at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from xrec.catalog import ConstraintTables
+from xrec.model.kv import BeamKV
+from xrec.model.onerec import OneRecModel, padding_mask
+from xrec.search.beam import (follow_parents, gather_children, mask_beyond, normalize,
+                              select_top)
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One batch's inputs on the host, padded to the batch's longest request.
+
+    `token_ids [B, L]` (zeros for requests that give embeddings), `embeddings
+    [len(embedding_rows), L, D]` for the requests in `embedding_rows`;
+    `contexts [len(context_rows), P, D]` replace BOS for `context_rows`.
+    """
+
+    token_ids: torch.Tensor
+    encoder_lengths: list[int]
+    beam_widths: list[int]
+    num_results: list[int]
+    embedding_rows: list[int]
+    embeddings: torch.Tensor | None
+    context_rows: list[int]
+    contexts: torch.Tensor | None
+    prefix_lengths: list[int]
+    full_rows: list[int]
+    temperatures: list[float]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.encoder_lengths)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """Per request the best `num_results[b]` candidates, best first (host arrays).
+    Candidates with score -inf are not real results (too few catalog items)."""
+
+    tokens: np.ndarray          # [B, N, R] int64
+    scores: np.ndarray          # [B, N] float32
+    token_logprobs: np.ndarray  # [B, N, R] float32
+    num_results: list[int]
+
+
+class RecStep:
+    """Runs a `StepBatch` through the model and the constrained beam search.
+
+    Holds no per-batch state, so several pipelines may share one instance.
+    `tables` None means unconstrained decoding over the whole vocabulary.
+    """
+
+    def __init__(self, model: OneRecModel, tables: ConstraintTables | None, rounds: int = 3):
+        if tables is not None and rounds > tables.num_levels:
+            raise ValueError(f"rounds={rounds} exceeds the catalog's {tables.num_levels} token levels")
+        self.model, self.tables, self.rounds = model, tables, rounds
+        self.device = model.shared.weight.device
+        vocab = model.config.vocab_size
+        # Below a quarter of the vocabulary, LM-head rows of the children beat the full head.
+        self.is_narrow = [False] + ([4 * c < vocab for c in tables.max_children[1:]]
+                                    if tables is not None else [])
+
+    @torch.inference_mode()
+    def run(self, batch: StepBatch) -> StepOutput:
+        model, device = self.model, self.device
+        num_batch = batch.num_requests
+        widths = _widths(batch.beam_widths, device)
+        results = _widths(batch.num_results, device)
+        num_beams, num_out = max(batch.beam_widths), max(batch.num_results)
+        temps = None if all(t in (0.0, 1.0) for t in batch.temperatures) else \
+            torch.tensor([t or 1.0 for t in batch.temperatures], device=device).view(-1, 1, 1)
+        rows = _Rows(batch.full_rows, num_batch, device, temps)
+
+        # round 0: encoder, cross K/V, shared prefix
+        hidden, key_mask = self._encoder_input(batch)
+        cross = model.prepare_cross(model.encode(hidden, key_mask), key_mask)
+        prefix, prefix_lengths, is_ragged = self._prefix(batch)
+        last, prefix_kv = model.decode_prefix(prefix, prefix_lengths, is_ragged, cross)
+
+        nodes = torch.zeros((num_batch, 1), dtype=torch.long, device=device)
+        scores = torch.zeros((num_batch, 1), device=device)
+        tokens = torch.zeros((num_batch, 1, 0), dtype=torch.long, device=device)
+        logprobs = torch.zeros((num_batch, 1, 0), device=device)
+        beams = None
+        step_hidden = last.unsqueeze(1)                                    # [B, 1, D]
+        for round_index in range(self.rounds):
+            is_last = round_index == self.rounds - 1
+            keep = num_out if is_last else num_beams
+            if round_index > 0:
+                if beams is None:
+                    cfg = model.config
+                    beams = BeamKV(cfg.num_decoder_layers, num_batch, num_beams, self.rounds - 1,
+                                   cfg.decoder_num_kv_heads, cfg.decoder_head_dim,
+                                   step_hidden.dtype, device)
+                step_hidden = model.decode_step(model.embed(tokens[:, :, -1]), round_index,
+                                                prefix_kv, beams, cross)   # [B, W, D]
+            lp, cand_tokens, first = self._candidates(step_hidden, nodes, round_index, keep, rows)
+            num_cand = lp.shape[-1]
+            cand_scores = (scores.unsqueeze(-1) + lp).flatten(1)           # [B, W*C]
+            scores, flat = select_top(cand_scores, keep)                   # [B, keep]
+            scores = mask_beyond(scores, results if is_last else widths)
+            parents, child = flat // num_cand, flat % num_cand
+            chosen = cand_tokens.flatten(1).gather(1, flat)                # [B, keep]
+            chosen_lp = lp.flatten(1).gather(1, flat)
+            tokens = torch.cat([follow_parents(tokens, parents), chosen.unsqueeze(-1)], dim=-1)
+            logprobs = torch.cat([follow_parents(logprobs, parents), chosen_lp.unsqueeze(-1)], dim=-1)
+            if first is not None:
+                level_size = len(self.tables.tokens[round_index])
+                nodes = (first.gather(1, parents) + child).clamp(max=level_size - 1)
+            if beams is not None and not is_last:
+                offsets = torch.arange(num_batch, device=device).unsqueeze(1) * num_beams
+                beams.reorder((parents + offsets).flatten())
+        return _to_host(tokens, scores, logprobs, batch.num_results)
+
+    def _candidates(self, hidden: torch.Tensor, nodes: torch.Tensor, level: int, keep: int,
+                    rows: "_Rows") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Log-probs `[B, W, C]` of each beam's candidate tokens `[B, W, C]`, and the
+        index of each beam's first child in the level (None when unconstrained)."""
+        model = self.model
+        if self.tables is None:
+            lp = torch.log_softmax(rows.scale(model.logits(hidden)), dim=-1)   # [B, W, V]
+            values, token_ids = lp.topk(min(keep, lp.shape[-1]), dim=-1)
+            return values, token_ids, None
+        tables = self.tables
+        children = gather_children(tables.offsets[level], tables.tokens[level], nodes,
+                                   tables.max_children[level])
+        full_logits = None
+        if not self.is_narrow[level] or rows.is_all_full:
+            full_logits = rows.scale(model.logits(hidden))                  # [B, W, V]
+            logits = full_logits.gather(-1, children.tokens)
+        else:
+            num_batch, num_beams, num_cand = children.tokens.shape
+            logits = model.candidate_logits(hidden.flatten(0, 1), children.tokens.flatten(0, 1))
+            logits = rows.scale(logits.view(num_batch, num_beams, num_cand))
+        if not rows.full_rows:
+            return normalize(logits, children.is_valid, None), children.tokens, children.first
+        if rows.is_all_full:
+            lse = torch.logsumexp(full_logits, dim=-1)
+            return normalize(logits, children.is_valid, lse), children.tokens, children.first
+        index = rows.full_index
+        if full_logits is None:
+            lse = torch.logsumexp(rows.scale(model.logits(hidden[index]), index), dim=-1)
+        else:
+            lse = torch.logsumexp(full_logits[index], dim=-1)
+        lp = normalize(logits, children.is_valid, None)
+        lp[index] = normalize(logits[index], children.is_valid[index], lse)
+        return lp, children.tokens, children.first
+
+    def _encoder_input(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        device = self.device
+        dtype = self.model.shared.weight.dtype
+        hidden = self.model.embed(batch.token_ids.to(device, non_blocking=True))   # [B, L, D]
+        if batch.embedding_rows:
+            index = torch.tensor(batch.embedding_rows, device=device)
+            hidden.index_copy_(0, index, batch.embeddings.to(device, dtype, non_blocking=True))
+        lengths = batch.encoder_lengths
+        if min(lengths) == max(lengths):
+            return hidden, None
+        return hidden, padding_mask(torch.tensor(lengths, device=device), hidden.shape[1])
+
+    def _prefix(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        device, model = self.device, self.model
+        num_prefix = max(batch.prefix_lengths)
+        bos = torch.full((batch.num_requests, num_prefix), model.config.bos_token_id, device=device)
+        prefix = model.embed(bos)                                          # [B, P, D]
+        if batch.context_rows:
+            index = torch.tensor(batch.context_rows, device=device)
+            prefix.index_copy_(0, index, batch.contexts.to(device, prefix.dtype, non_blocking=True))
+        lengths = torch.tensor(batch.prefix_lengths, device=device)
+        return prefix, lengths, min(batch.prefix_lengths) != num_prefix
+
+
+class _Rows:
+    """Which requests of a batch normalise over the full vocabulary, and their temperatures."""
+
+    def __init__(self, full_rows: list[int], num_batch: int, device: torch.device,
+                 temperatures: torch.Tensor | None):
+        self.full_rows = full_rows
+        self.is_all_full = len(full_rows) == num_batch
+        self.full_index = torch.tensor(full_rows, dtype=torch.long, device=device)
+        self.temperatures = temperatures                                   # [B, 1, 1] or None
+
+    def scale(self, logits: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+        if self.temperatures is None:
+            return logits
+        temps = self.temperatures if index is None else self.temperatures[index]
+        return logits / temps
+
+
+def _widths(values: list[int], device: torch.device) -> torch.Tensor | None:
+    """Per-request widths as a tensor, or None when they are all equal (nothing to mask)."""
+    if min(values) == max(values):
+        return None
+    return torch.tensor(values, device=device)
+
+
+def _to_host(tokens: torch.Tensor, scores: torch.Tensor, logprobs: torch.Tensor,
+             num_results: list[int]) -> StepOutput:
+    """One copy back per tensor; on CUDA, one wait on an event of the current stream only."""
+    if tokens.device.type == "cuda":
+        host = [t.to("cpu", non_blocking=True) for t in (tokens, scores, logprobs)]
+        event = torch.cuda.Event()
+        event.record()
+        event.synchronize()
+    else:
+        host = [tokens, scores, logprobs]
+    return StepOutput(host[0].numpy(), host[1].numpy(), host[2].numpy(), num_results)
