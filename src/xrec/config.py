@@ -38,6 +38,7 @@ class ModelConfig:
     layer_norm_epsilon: float = 1e-6
     use_absolute_position_embedding: bool = False
     tie_word_embeddings: bool = True
+    scale_decoder_outputs: bool = True   # tied head only: multiply by d_model**-0.5 (HF T5)
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128
     bos_token_id: int = 0
@@ -62,6 +63,13 @@ class ModelConfig:
                 raise ValueError(
                     f"config key {prefix}num_key_value_heads: got {kv}, which does not divide "
                     f"{prefix}num_heads={heads}; allowed: a divisor of {prefix}num_heads")
+        if not self.use_absolute_position_embedding:
+            smallest = self.relative_attention_num_buckets // 2 + 1
+            if self.relative_attention_max_distance < smallest:
+                raise ValueError(
+                    f"config key 'relative_attention_max_distance': got "
+                    f"{self.relative_attention_max_distance}, must be > relative_attention_num_buckets"
+                    f" / 2 = {self.relative_attention_num_buckets // 2} (log-spaced buckets)")
         if not 0 <= self.bos_token_id < self.vocab_size:
             raise ValueError(f"config key 'bos_token_id': got {self.bos_token_id}, "
                              f"expected 0 <= id < vocab_size={self.vocab_size}")
@@ -184,6 +192,7 @@ def _common_fields(raw: dict[str, Any]) -> dict[str, Any]:
         "layer_norm_epsilon": _get(raw, "layer_norm_epsilon", 1e-6, float),
         "use_absolute_position_embedding": _get(raw, "use_absolute_position_embedding", False, bool),
         "tie_word_embeddings": _get(raw, "tie_word_embeddings", True, bool),
+        "scale_decoder_outputs": _get(raw, "scale_decoder_outputs", True, bool),
         "relative_attention_num_buckets": _get(raw, "relative_attention_num_buckets", 32, int),
         "relative_attention_max_distance": _get(raw, "relative_attention_max_distance", 128, int),
     }
@@ -276,3 +285,84 @@ MODEL_SIZES: dict[str, ModelConfig] = {
                                  use_moe=True, moe_num_experts=24, moe_topk=2, moe_inter_dim=2048,
                                  torch_dtype="float32"),
 }
+
+
+# ---- engine options -------------------------------------------------------
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Engine options (spec/serving.md); CLI flags and `Engine.from_pretrained` kwargs of the
+    same names. `None` means "derived": see `resolve`."""
+
+    device: str = "auto"                 # "auto" | "cpu" | "cuda" | "cuda:N"
+    dtype: str = "auto"                  # "auto" (float32 on CPU, bfloat16 on CUDA) | DTYPES
+    max_concurrency: int | None = None   # pipelines; default 1 on CPU, 2 on CUDA
+    max_seqs_per_batch: int = 64
+    max_tokens_per_batch: int = 65536    # encoder + decoder-prefix tokens
+    max_beams_per_batch: int = 8192
+    max_beam_width: int = 512
+    max_top_k: int = 1024                # also bounds num_return_sequences (the last round's K)
+    max_input_len: int = 4096
+    request_queue_size: int = 1024
+    max_memory_utilization: float = 0.9
+    default_beam_width: int = 128
+    rounds: int = 3
+    normalize: str = "allowed"
+    constrained: bool | None = None      # default: on when a catalog is loaded
+    batch_wait_ms: float = 0.0
+    request_timeout_ms: float | None = None
+    each_conversion_threshold: int = 50
+    total_conversion_threshold: int = 1000
+    num_threads: int | None = None       # CPU intra-op threads in all; default: all cores
+
+    def __post_init__(self) -> None:
+        ranges = {"max_seqs_per_batch": (1, 1 << 16), "max_tokens_per_batch": (1, 1 << 30),
+                  "max_beams_per_batch": (1, 1 << 24), "max_beam_width": (1, 1 << 14),
+                  "max_top_k": (1, 1 << 16), "max_input_len": (1, 1 << 24),
+                  "request_queue_size": (1, 1 << 24), "default_beam_width": (1, 1 << 14),
+                  "rounds": (1, 64), "each_conversion_threshold": (0, 1 << 30),
+                  "total_conversion_threshold": (0, 1 << 30)}
+        for name, (low, high) in ranges.items():
+            _check_range(name, getattr(self, name), low, high)
+        if self.max_concurrency is not None:
+            _check_range("max_concurrency", self.max_concurrency, 1, 64)
+        if self.num_threads is not None:
+            _check_range("num_threads", self.num_threads, 1, 4096)
+        if self.max_top_k < self.max_beam_width:
+            raise ValueError(f"option max_top_k: got {self.max_top_k}, must be >= max_beam_width="
+                             f"{self.max_beam_width} (top_k >= beam_width)")
+        if self.default_beam_width > self.max_beam_width:
+            raise ValueError(f"option default_beam_width: got {self.default_beam_width}, must be <= "
+                             f"max_beam_width={self.max_beam_width}")
+        if self.max_beam_width > self.max_beams_per_batch:
+            raise ValueError(f"option max_beam_width: got {self.max_beam_width}, must be <= "
+                             f"max_beams_per_batch={self.max_beams_per_batch}")
+        if not (isinstance(self.max_memory_utilization, (int, float))
+                and 0 < self.max_memory_utilization <= 1):
+            raise ValueError(f"option max_memory_utilization: got {self.max_memory_utilization!r}, "
+                             "allowed: 0 < value <= 1")
+        if self.normalize not in ("allowed", "full"):
+            raise ValueError(f"option normalize: got {self.normalize!r}, allowed: 'allowed', 'full'")
+        if self.dtype not in ("auto",) + DTYPES:
+            raise ValueError(f"option dtype: got {self.dtype!r}, allowed: 'auto', {', '.join(DTYPES)}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"option device: got {self.device!r}, allowed: 'auto', 'cpu', 'cuda', 'cuda:N'")
+        if not (isinstance(self.batch_wait_ms, (int, float)) and 0 <= self.batch_wait_ms <= 60_000):
+            raise ValueError(f"option batch_wait_ms: got {self.batch_wait_ms!r}, allowed: [0, 60000]")
+        if self.request_timeout_ms is not None and not (
+                isinstance(self.request_timeout_ms, (int, float)) and self.request_timeout_ms > 0):
+            raise ValueError(f"option request_timeout_ms: got {self.request_timeout_ms!r}, "
+                             "expected a positive number or None")
+
+    @classmethod
+    def from_kwargs(cls, **options: Any) -> "EngineOptions":
+        unknown = sorted(set(options) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; allowed: "
+                             f"{sorted(f.name for f in fields(cls))}")
+        return cls(**options)
+
+
+def _check_range(name: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"option {name}: got {value!r}, allowed: an integer in [{low}, {high}]")

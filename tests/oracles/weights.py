@@ -60,25 +60,29 @@ def canonical_names(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def random_state_dict(config: ModelConfig, *, seed: int, std: float = 0.5, embedding_std: float = 2.0,
+def random_state_dict(config: ModelConfig, *, seed: int, gain: float = 1.4, embedding_std: float = 2.0,
                       bias_std: float = 2.0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """A deterministic random canonical state dict for `config`.
 
-    Linear weights ~ N(0, std); shared / lm_head ~ N(0, embedding_std) so the
-    logits are well spread; relative bias tables ~ N(0, bias_std) so they
-    matter; RMSNorm weights ~ 1 + N(0, 0.2).
+    Linear weights [out, in] ~ N(0, gain / sqrt(in)) (for d_model 32 that is
+    the std 0.25 of `hf.make_hf_t5`); shared ~ N(0, embedding_std) and
+    lm_head ~ N(0, embedding_std / sqrt(d_model)) so the logits are well
+    spread; relative bias tables ~ N(0, bias_std) so they matter; RMSNorm
+    weights ~ 1 + N(0, 0.2); MoE router ~ N(0, gain / sqrt(d_model)).
     """
     gen = torch.Generator().manual_seed(int(seed))
     out = {}
     for name, shape in canonical_names(config).items():
         if name.endswith("layer_norm.weight"):
             t = 1.0 + 0.2 * torch.randn(shape, generator=gen, dtype=torch.float64)
-        elif name in ("shared.weight", "lm_head.weight"):
+        elif name == "shared.weight":
             t = embedding_std * torch.randn(shape, generator=gen, dtype=torch.float64)
+        elif name == "lm_head.weight":
+            t = embedding_std * config.d_model ** -0.5 * torch.randn(shape, generator=gen, dtype=torch.float64)
         elif name.endswith("relative_attention_bias.weight"):
             t = bias_std * torch.randn(shape, generator=gen, dtype=torch.float64)
         else:
-            t = std * torch.randn(shape, generator=gen, dtype=torch.float64)
+            t = gain * shape[1] ** -0.5 * torch.randn(shape, generator=gen, dtype=torch.float64)
         out[name] = t.to(dtype).contiguous()
     return out
 

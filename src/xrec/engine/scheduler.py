@@ -44,7 +44,8 @@ class FixedStepsScheduler:
         self._limits, self._launch = limits, launch
         self._workspace_bytes, self._clock = workspace_bytes, clock
         # Shared state below is touched only under self._cond's plain lock, which is never
-        # held while calling launch(), workspace_bytes() or answering a future.
+        # held while calling launch(), workspace_bytes() or any Future method (so no other
+        # lock is ever taken inside it: no lock order to get wrong).
         self._cond = threading.Condition(threading.Lock())
         self._incoming: collections.deque[ScheduledRequest] = collections.deque()
         self._num_pending = 0      # submitted; not yet launched, dropped or refused
@@ -79,10 +80,10 @@ class FixedStepsScheduler:
 
     def submit(self, request: ScheduledRequest) -> None:
         """Queue a request, or fail its future with the refusal and raise that error too."""
-        error: XrecError | None = None
         with self._cond:
-            if self._is_closing:
-                error = Unavailable("server is shutting down")
+            self._check_not_submitted(request)
+            error: XrecError | None = (
+                Unavailable("server is shutting down") if self._is_closing else None)
         if error is None:
             try:
                 reason = self._limits.why_too_big(request, self._workspace_bytes([request]))
@@ -90,10 +91,8 @@ class FixedStepsScheduler:
             except Exception as exc:  # an estimator bug fails this request only
                 error = Internal(f"workspace estimate failed: {exc!r}")
         if error is None:
-            request.future.add_done_callback(self._on_future_done)
             with self._cond:
-                if request._is_submitted:
-                    raise ValueError(f"request {request.request_id!r} was already submitted")
+                self._check_not_submitted(request)
                 if self._is_closing:
                     error = Unavailable("server is shutting down")
                 elif self._num_pending >= self._limits.request_queue_size:
@@ -106,7 +105,9 @@ class FixedStepsScheduler:
                     self._incoming.append(request)
                     self._num_pending += 1
                     self._notify_loop()
-                    return
+            if error is None:  # runs at once if it was cancelled meanwhile
+                request.future.add_done_callback(self._on_future_done)
+                return
         request.fail(error)
         raise error
 
@@ -131,9 +132,7 @@ class FixedStepsScheduler:
             is_loop_thread = threading.current_thread() is thread
             self._is_stopping |= thread is None or is_loop_thread
             if thread is None:  # never started: nobody else will answer these
-                leftover = list(self._incoming)
-                self._incoming.clear()
-                self._num_pending -= len(leftover)
+                leftover = self._remove_all()
         if thread is None or is_loop_thread:
             _fail_all(leftover, Unavailable("server is shutting down"))
             return
@@ -146,10 +145,25 @@ class FixedStepsScheduler:
         if thread.is_alive():
             logger.error("scheduler loop did not stop; is launch() blocking?")
 
+    @staticmethod
+    def _check_not_submitted(request: ScheduledRequest) -> None:
+        """Caller holds the lock. A second submit must not launch or answer it again."""
+        if request._is_submitted:
+            raise ValueError(f"request {request.request_id!r} was already submitted")
+
     def _notify_loop(self) -> None:
         """Caller holds the lock."""
         self._num_events += 1
         self._cond.notify_all()
+
+    def _remove_all(self) -> list[ScheduledRequest]:
+        """Caller holds the lock and is the loop thread, or there is no loop thread."""
+        leftover = [*self._waiting, *self._incoming]
+        self._waiting.clear()
+        self._incoming.clear()
+        self._num_pending -= len(leftover)
+        self._cond.notify_all()
+        return leftover
 
     def _on_future_done(self, future: Future) -> None:
         if future.cancelled():  # the client went away: the loop drops it and frees its slot
@@ -167,11 +181,7 @@ class FixedStepsScheduler:
             logger.exception("scheduler loop failed; failing every waiting request")
             with self._cond:
                 self._is_closing = self._is_stopping = True
-                leftover = [*self._waiting, *self._incoming]
-                self._waiting.clear()
-                self._incoming.clear()
-                self._num_pending -= len(leftover)
-                self._cond.notify_all()
+                leftover = self._remove_all()
             _fail_all(leftover, Internal(f"scheduler loop failed: {exc!r}"))
             raise
 
@@ -183,12 +193,8 @@ class FixedStepsScheduler:
                     self._next_deadline = min(self._next_deadline, request.deadline)
             self._waiting.extend(self._incoming)
             self._incoming.clear()
-            is_stopping, leftover = self._is_stopping, []
-            if is_stopping:
-                leftover = list(self._waiting)
-                self._waiting.clear()
-                self._num_pending -= len(leftover)
-                self._cond.notify_all()
+            is_stopping = self._is_stopping
+            leftover = self._remove_all() if is_stopping else []
             num_events = self._num_events
             is_sweep_needed, self._is_sweep_needed = self._is_sweep_needed, False
             is_pipeline_free = self._num_running < self._limits.max_concurrency
@@ -197,7 +203,8 @@ class FixedStepsScheduler:
             _fail_all(leftover, Unavailable("server is shutting down"))
             return False
         now = self._clock()
-        dropped: Dropped = self._sweep(now) if is_sweep_needed or now >= self._next_deadline else []
+        is_sweep_needed |= now >= self._next_deadline
+        dropped: Dropped = self._sweep(now) if is_sweep_needed else []
         batch, hold_until = [], math.inf
         if is_pipeline_free and self._waiting:
             batch, hold_until = self._take_batch(now, is_closing, dropped)
@@ -222,7 +229,7 @@ class FixedStepsScheduler:
         return True
 
     def _drop_reason(self, request: ScheduledRequest, now: float) -> object:
-        """_KEEP, None (cancelled or answered elsewhere: drop silently) or the error to fail with."""
+        """_KEEP, None (cancelled or answered elsewhere: drop silently) or the error."""
         if request.future.done():
             return None
         if request.deadline is not None and now >= request.deadline:
@@ -273,9 +280,10 @@ class FixedStepsScheduler:
                 break  # FIFO: nothing passes this request
             skipped.append((position, request))
         batch, hold_until = builder.requests, math.inf
-        if batch and not (builder.is_full or is_blocked or is_closing):
+        if batch and self._limits.batch_wait_ms > 0 and not (
+                builder.is_full or is_blocked or is_closing):
             hold_until = batch[0].enqueued_at + self._limits.batch_wait_ms / 1000.0
-        is_holding = now < hold_until
+        is_holding = now < hold_until < math.inf
         removed = {id(request) for request, _ in dropped[num_dropped_before:]}
         if not is_holding:
             removed.update(id(request) for request in batch)

@@ -76,6 +76,10 @@ def read_checkpoint(model_dir: Path, config: ModelConfig) -> dict[str, torch.Ten
         del tensors[name]
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some exporters write the tied head out; it is `shared`
+    if config.use_absolute_position_embedding:
+        # a T5 checkpoint switched to absolute mode may still carry (zeroed) bias tables
+        for name in [n for n in tensors if n.endswith("relative_attention_bias.weight")]:
+            del tensors[name]
     return tensors
 
 

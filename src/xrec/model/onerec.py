@@ -223,7 +223,7 @@ class OneRecModel(nn.Module):
 
     def _head_weight(self) -> tuple[torch.Tensor, float]:
         if self.config.tie_word_embeddings:
-            return self.shared.weight, self.config.d_model ** -0.5
+            return self.shared.weight, self.config.d_model ** -0.5 if self.config.scale_decoder_outputs else 1.0
         return self.lm_head.weight, 1.0
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

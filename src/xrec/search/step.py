@@ -18,34 +18,9 @@ import torch
 from xrec.catalog import ConstraintTables
 from xrec.model.kv import BeamKV
 from xrec.model.onerec import OneRecModel, padding_mask
+from xrec.search.batch import StepBatch
 from xrec.search.beam import (follow_parents, gather_children, mask_beyond, normalize,
                               select_top)
-
-
-@dataclass(frozen=True)
-class StepBatch:
-    """One batch's inputs on the host, padded to the batch's longest request.
-
-    `token_ids [B, L]` (zeros for requests that give embeddings), `embeddings
-    [len(embedding_rows), L, D]` for the requests in `embedding_rows`;
-    `contexts [len(context_rows), P, D]` replace BOS for `context_rows`.
-    """
-
-    token_ids: torch.Tensor
-    encoder_lengths: list[int]
-    beam_widths: list[int]
-    num_results: list[int]
-    embedding_rows: list[int]
-    embeddings: torch.Tensor | None
-    context_rows: list[int]
-    contexts: torch.Tensor | None
-    prefix_lengths: list[int]
-    full_rows: list[int]
-    temperatures: list[float]
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.encoder_lengths)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,30 @@
+# One command each: `make serve` (set up, then serve the built-in demo model) and
+# `make test` (set up, then run the whole test suite). Both create .venv on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PORT   ?= 8000
+
+.PHONY: setup serve test bench clean
+
+$(VENV)/.installed-%: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# The CPU build of torch 2.13.0 (on disk on this project's machines); never an uncapped torch.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[$*]"
+	touch $@
+
+setup: $(VENV)/.installed-test
+
+serve: $(VENV)/.installed-serve
+	$(VENV)/bin/xrec serve --port $(PORT) --verbose
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: $(VENV)/.installed-bench
+	$(VENV)/bin/xrec bench $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build src/*.egg-info

@@ -1,0 +1,169 @@
+"""`xrec` command line: serve | recommend | make-model | bench. Heavy imports stay inside commands."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import fields
+from typing import Any, Sequence
+
+from xrec.config import MODEL_SIZES, EngineOptions
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.run(args) or 0
+    except (ValueError, OSError) as e:
+        print(f"xrec {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="xrec", description="Serve OneRec-style generative "
+                                     "recommendation models.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    make = sub.add_parser("make-model", help="write a random model directory of a named size")
+    make.add_argument("--size", choices=sorted(MODEL_SIZES), default="onerec-0.015b")
+    make.add_argument("--out", required=True, help="directory to write")
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--items", type=int, default=100_000, help="random catalog size (0: none)")
+    make.set_defaults(run=_make_model)
+
+    rec = sub.add_parser("recommend", help="run one request and print the recommended items")
+    rec.add_argument("--model", help="model directory (default: the built-in demo model)")
+    rec.add_argument("--catalog", help="catalog file (default: the model directory's)")
+    source = rec.add_mutually_exclusive_group()
+    source.add_argument("--token-ids", help="comma-separated encoder token ids, e.g. 1,2,3")
+    source.add_argument("--embedding", help=".npy file holding a [L, d_model] float32 array")
+    rec.add_argument("--beam-width", type=int, default=128)
+    rec.add_argument("--top-n", type=int, default=10, help="rows to print")
+    rec.add_argument("--normalize", choices=("allowed", "full"), default="allowed")
+    rec.add_argument("--device", default="auto")
+    rec.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    rec.set_defaults(run=_recommend)
+
+    serve = sub.add_parser("serve", help="serve a model over HTTP (default: the demo model)")
+    serve.add_argument("--model", help="model directory (default: the built-in demo model)")
+    serve.add_argument("--catalog", help="catalog file (default: the model directory's)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", help="bearer token required on every request "
+                       "(default: $XREC_API_KEY; none when unset)")
+    serve.add_argument("--served-model-name", help="model name in the API (default: the directory's)")
+    serve.add_argument("--max-body-bytes", type=int, default=64 << 20)
+    serve.add_argument("--grace-s", type=float, default=30.0, help="drain time on SIGTERM")
+    add_engine_options(serve)
+    serve.set_defaults(run=_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks: offline | scaling | serve | breakdown")
+    bench.set_defaults(run=_bench)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    for p in (make, rec, serve):
+        p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    return parser
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """One flag per `EngineOptions` field, same name with dashes."""
+    group = parser.add_argument_group("engine options")
+    for f in fields(EngineOptions):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool | None", "bool"):
+            group.add_argument(flag, type=_bool, default=None, metavar="true|false")
+        elif "int" in str(f.type):
+            group.add_argument(flag, type=int, default=None)
+        elif "float" in str(f.type):
+            group.add_argument(flag, type=float, default=None)
+        else:
+            group.add_argument(flag, default=None)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options given on the command line (unset flags keep the defaults)."""
+    return {f.name: getattr(args, f.name) for f in fields(EngineOptions)
+            if getattr(args, f.name, None) is not None}
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _model_dir(args: argparse.Namespace) -> str:
+    if args.model:
+        return args.model
+    from xrec.demo import demo_model_dir
+    return str(demo_model_dir())
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from xrec.demo import write_random_model
+    out = write_random_model(args.out, args.size, args.seed, args.items, progress=True)
+    print(f"wrote {args.size} (seed {args.seed}, {args.items} items) to {out}")
+    return 0
+
+
+def _recommend(args: argparse.Namespace) -> int:
+    import json
+
+    import numpy as np
+
+    from xrec import Engine, RecRequest
+    from xrec.errors import XrecError
+
+    model_dir = _model_dir(args)
+    if args.embedding:
+        request = RecRequest(sparse_embedding=np.load(args.embedding), beam_width=args.beam_width,
+                             normalize=args.normalize)
+    else:
+        text = args.token_ids or "1,2,3"
+        try:
+            ids = [int(t) for t in text.split(",") if t.strip()]
+        except ValueError:
+            raise ValueError(f"--token-ids: expected comma-separated integers, got {text!r}") from None
+        request = RecRequest(token_ids=ids, beam_width=args.beam_width, normalize=args.normalize)
+    with Engine.from_pretrained(model_dir, catalog=args.catalog, device=args.device) as engine:
+        try:
+            response = engine.recommend([request])[0]
+        except XrecError as e:
+            print(f"xrec recommend: {e.code}: {e}", file=sys.stderr)
+            return 1
+    rows = response.results[:args.top_n]
+    if args.json:
+        print(json.dumps([{"tokens": list(r.tokens), "score": r.score,
+                           "items": [i.item_id for i in r.items]} for r in rows]))
+        return 0
+    print(f"model {model_dir}: {len(response.results)} results in {response.timing['run_ms']:.1f} ms "
+          f"(beam width {request.beam_width}); best {len(rows)}:")
+    print(f"{'rank':>4}  {'semantic id':<20} {'score':>9}  {'round log-probs':<26} items")
+    for rank, r in enumerate(rows, 1):
+        ids = ", ".join(str(i.item_id) for i in r.items[:3]) + (" ..." if len(r.items) > 3 else "")
+        lps = " ".join(f"{x:7.3f}" for x in r.token_logprobs)
+        print(f"{rank:>4}  {str(r.tokens):<20} {r.score:>9.4f}  {lps:<26} {ids}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from xrec.server.run import serve
+    return serve(args, _model_dir(args), engine_options(args))
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from xrec.bench.cli import main as bench_main
+    return bench_main(args.bench_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

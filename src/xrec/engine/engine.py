@@ -1,0 +1,188 @@
+"""Engine: the public entry point. Validates at the edge, owns futures, deadlines, shutdown.
+
+    Engine.submit -> FixedStepsScheduler (budgets, FIFO) -> Executor (pipelines)
+                  -> RecStep -> responses -> the request's future
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from xrec.api_types import RecRequest, RecResponse, SearchLimits, validate
+from xrec.catalog import ItemCatalog
+from xrec.config import EngineOptions
+from xrec.engine.executor import BatchReport, Executor
+from xrec.engine.requests import BatchLimits, ScheduledRequest
+from xrec.engine.scheduler import FixedStepsScheduler
+from xrec.errors import InvalidArgument, Unavailable
+from xrec.model.loader import load_model
+from xrec.model.onerec import OneRecModel
+from xrec.search.step import RecStep
+from xrec.search.workspace import BatchShape, WorkspaceModel
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    """A loaded model (+ catalog) behind a fixed-steps scheduler and concurrent pipelines.
+
+    >>> engine = Engine.from_pretrained(model_dir, max_concurrency=2)
+    >>> engine.recommend([RecRequest(token_ids=[5, 17, 9], beam_width=128)])
+    """
+
+    def __init__(self, model: OneRecModel, catalog: ItemCatalog | None, options: EngineOptions,
+                 model_name: str = "xrec"):
+        self.model, self.catalog, self.options, self.model_name = model, catalog, options, model_name
+        config = model.config
+        device = model.shared.weight.device
+        is_constrained = catalog is not None if options.constrained is None else options.constrained
+        if is_constrained and catalog is None:
+            raise ValueError("option constrained=true needs a catalog (none was found or given)")
+        tables = catalog.constraint_tables(device) if is_constrained else None
+        if tables is not None and options.rounds > tables.num_levels:
+            raise ValueError(f"option rounds: got {options.rounds}, the catalog has "
+                             f"{tables.num_levels} token levels")
+        self.step = RecStep(model, tables, options.rounds)
+        self.limits = SearchLimits(config.vocab_size, config.d_model, options.max_input_len,
+                                   options.max_beam_width, options.max_top_k,
+                                   options.default_beam_width, options.normalize)
+        num_pipelines = options.max_concurrency or (2 if device.type == "cuda" else 1)
+        widest = max(tables.max_children[1:], default=1) if tables else config.vocab_size
+        self.workspace = WorkspaceModel(config, model.shared.weight.element_size(), widest,
+                                        options.rounds)
+        self.workspace_per_pipeline = _workspace_budget(model, device, options, num_pipelines)
+        total_threads = options.num_threads or torch.get_num_threads()
+        threads = max(1, total_threads // num_pipelines) if device.type == "cpu" else None
+        self._report_hooks: list[Any] = []
+        self.scheduler = FixedStepsScheduler(
+            BatchLimits(options.max_seqs_per_batch, options.max_tokens_per_batch,
+                        options.max_beams_per_batch, self.workspace_per_pipeline, num_pipelines,
+                        options.request_queue_size, options.batch_wait_ms),
+            launch=self._launch, workspace_bytes=self._batch_bytes)
+        self.executor = Executor(self.step, catalog, num_pipelines, options.each_conversion_threshold,
+                                 options.total_conversion_threshold, threads,
+                                 on_batch_done=self.scheduler.batch_done, on_report=self._on_report)
+        self.num_pipelines = num_pipelines
+        self._closed = threading.Event()
+        self.scheduler.start()
+        logger.info("engine ready: %s, %.1fM parameters, %s %s, %d pipeline(s), workspace %.1f MiB "
+                    "each, catalog %s, options %s", model_name, config.num_parameters / 1e6, device,
+                    model.shared.weight.dtype, num_pipelines, self.workspace_per_pipeline / 2**20,
+                    catalog, options)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike, catalog: Any = None,
+                        **engine_options: Any) -> "Engine":
+        """Load `model_dir` (config.json + safetensors). `catalog`: None (the model
+        directory's own, if any), a path, or an `ItemCatalog`."""
+        options = EngineOptions.from_kwargs(**engine_options)
+        device = _resolve_device(options.device)
+        dtype = getattr(torch, options.dtype) if options.dtype != "auto" else \
+            (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        model = load_model(model_dir, device, dtype)
+        vocab = model.config.vocab_size
+        if catalog is None:
+            catalog = ItemCatalog.from_model_dir(model_dir, vocab)
+        elif not isinstance(catalog, ItemCatalog):
+            catalog = ItemCatalog.read(catalog, vocab)
+        return cls(model, catalog, options, Path(model_dir).resolve().name)
+
+    # ---- requests ----------------------------------------------------------
+
+    def submit(self, request: RecRequest) -> Future:
+        """Validate and queue one request; its future resolves to a `RecResponse` or an
+        `XrecError`. Raises `InvalidArgument` at once for a bad request."""
+        if self._closed.is_set():
+            raise Unavailable("engine is closed")
+        if not isinstance(request, RecRequest):
+            raise InvalidArgument(f"expected a RecRequest, got {type(request).__name__}")
+        valid = validate(request, self.limits)
+        timeout = valid.timeout_ms or self.options.request_timeout_ms
+        deadline = None if timeout is None else time.monotonic() + timeout / 1000.0
+        scheduled = ScheduledRequest(valid.request_id, valid.input_len + valid.prefix_len,
+                                     valid.beam_width, valid.num_results, payload=valid,
+                                     deadline=deadline)
+        self.scheduler.submit(scheduled)
+        return scheduled.future
+
+    def recommend(self, requests: RecRequest | Sequence[RecRequest]) -> list[RecResponse]:
+        """Run requests to completion; responses in request order. Every request is
+        validated before any is queued; the first failure is raised."""
+        if isinstance(requests, RecRequest):
+            requests = [requests]
+        for index, request in enumerate(requests):
+            if not isinstance(request, RecRequest):
+                raise InvalidArgument(f"requests[{index}]: expected a RecRequest, got "
+                                      f"{type(request).__name__}")
+            validate(request, self.limits)
+        futures = [self.submit(r) for r in requests]
+        return [f.result() for f in futures]
+
+    async def recommend_async(self, request: RecRequest) -> RecResponse:
+        """Await one request; cancelling the awaiting task cancels a still-waiting request."""
+        return await asyncio.wrap_future(self.submit(request))
+
+    # ---- lifecycle ---------------------------------------------------------
+
+    def close(self, grace_s: float = 30.0) -> None:
+        """Stop accepting, finish what is queued and running (up to `grace_s`), stop threads."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self.scheduler.close(grace_s)
+        self.executor.close(grace_s)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def add_report_hook(self, hook: Any) -> None:
+        """Call `hook(BatchReport)` after every batch (metrics)."""
+        self._report_hooks.append(hook)
+
+    # ---- internals -----------------------------------------------------------
+
+    def _launch(self, batch: list[ScheduledRequest]) -> None:
+        self.executor.launch(batch)
+
+    def _batch_bytes(self, batch: Sequence[ScheduledRequest]) -> int:
+        return self.workspace.batch_bytes(BatchShape.of([r.payload for r in batch]))
+
+    def _on_report(self, report: BatchReport) -> None:
+        for hook in self._report_hooks:
+            hook(report)
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"option device: got {name!r}, but CUDA is not available here")
+    return device
+
+
+def _workspace_budget(model: OneRecModel, device: torch.device, options: EngineOptions,
+                      num_pipelines: int) -> int:
+    """One pipeline's share of `max_memory_utilization` of the device (or RAM), less the weights."""
+    if device.type == "cuda":
+        _, total = torch.cuda.mem_get_info(device)
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    usable = int(total * options.max_memory_utilization) - weights
+    if usable <= 0:
+        raise ValueError(f"option max_memory_utilization={options.max_memory_utilization}: the weights "
+                         f"({weights} bytes) leave no workspace in {total} bytes")
+    return usable // num_pipelines

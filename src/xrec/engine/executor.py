@@ -1,0 +1,134 @@
+"""Executor: `max_concurrency` pipelines, each a worker thread (+ a CUDA stream on a GPU).
+
+A launched batch runs start to finish on one pipeline: host preparation, the
+whole R-round `RecStep` on the pipeline's stream, one copy back, item
+conversion, answers. Pipelines share one model and one set of catalog tables
+(read-only) and take no lock from each other. A failure inside a batch fails
+that batch's requests with INTERNAL; the pipeline goes on serving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from xrec.catalog import ItemCatalog
+from xrec.engine.requests import ScheduledRequest
+from xrec.engine.responses import build_responses, ms
+from xrec.errors import DeadlineExceeded, Internal
+from xrec.search.batch import prepare_batch
+from xrec.search.step import RecStep
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BatchReport:
+    """What a finished batch tells the metrics: sizes and times (seconds)."""
+
+    num_requests: int
+    num_beams: int
+    run_s: float
+    is_ok: bool
+    queue_s: list[float] = field(default_factory=list)
+
+
+class Executor:
+    """Runs launched batches on `num_pipelines` worker threads.
+
+    `on_batch_done` is called once per batch after its requests are answered
+    (the scheduler's `batch_done`); `on_report` receives a `BatchReport`.
+    `fault` is a test hook: called with the batch before it runs; may raise.
+    """
+
+    def __init__(self, step: RecStep, catalog: ItemCatalog | None, num_pipelines: int,
+                 each_threshold: int, total_threshold: int, threads_per_pipeline: int | None,
+                 on_batch_done: Callable[[], None], on_report: Callable[[BatchReport], None],
+                 clock: Callable[[], float] = time.monotonic):
+        self.step, self.catalog = step, catalog
+        self.each_threshold, self.total_threshold = each_threshold, total_threshold
+        self.on_batch_done, self.on_report, self.clock = on_batch_done, on_report, clock
+        self.threads_per_pipeline = threads_per_pipeline
+        self.fault: Callable[[list[ScheduledRequest]], None] | None = None
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._busy = 0
+        self._busy_lock = threading.Lock()
+        device = step.device
+        self._pipelines = [threading.Thread(target=self._serve, args=(index, device),
+                                            name=f"xrec-pipeline-{index}", daemon=True)
+                           for index in range(num_pipelines)]
+        for thread in self._pipelines:
+            thread.start()
+
+    @property
+    def num_busy(self) -> int:
+        return self._busy
+
+    def launch(self, batch: list[ScheduledRequest]) -> None:
+        """Hand a batch to a free pipeline (the scheduler bounds batches in flight)."""
+        self._work.put(batch)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        for _ in self._pipelines:
+            self._work.put(None)
+        deadline = time.monotonic() + timeout_s
+        for thread in self._pipelines:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _serve(self, index: int, device: torch.device) -> None:
+        if self.threads_per_pipeline:
+            torch.set_num_threads(self.threads_per_pipeline)
+        # Each pipeline owns its stream; everything of a batch is queued on it.
+        stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        while True:
+            batch = self._work.get()
+            if batch is None:
+                return
+            with self._busy_lock:
+                self._busy += 1
+            try:
+                self._run(batch, stream)
+            finally:
+                with self._busy_lock:
+                    self._busy -= 1
+                self.on_batch_done()
+
+    def _run(self, batch: list[ScheduledRequest], stream: torch.cuda.Stream | None) -> None:
+        started = self.clock()
+        requests = [r.payload for r in batch]
+        is_ok = False
+        try:
+            if self.fault is not None:
+                self.fault(batch)
+            step_batch = prepare_batch(requests, self.step.model.config.d_model,
+                                       pin_memory=stream is not None)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                output = self.step.run(step_batch)
+            finished = self.clock()
+            timings = [{"queue_ms": ms(started - r.enqueued_at), "run_ms": ms(finished - started)}
+                       for r in batch]
+            responses = build_responses(output, requests, self.catalog, self.each_threshold,
+                                        self.total_threshold, timings)
+            is_ok = True
+        except Exception as exc:  # a failure in one batch fails only that batch
+            logger.exception("batch of %d requests failed", len(batch))
+            for r in batch:
+                r.fail(Internal(f"batch failed: {type(exc).__name__}: {exc}"))
+        else:
+            now = self.clock()
+            for r, response in zip(batch, responses):
+                if r.deadline is not None and now > r.deadline:
+                    r.fail(DeadlineExceeded(f"request finished {ms(now - r.deadline)} ms after its "
+                                            "deadline"))
+                else:
+                    r.answer(response)
+        self.on_report(BatchReport(len(batch), sum(r.beam_width for r in batch),
+                                   self.clock() - started, is_ok,
+                                   [started - r.enqueued_at for r in batch]))

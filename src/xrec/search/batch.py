@@ -1,0 +1,75 @@
+"""Host-side batch building: validated requests -> padded tensors (`StepBatch`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from xrec.api_types import ValidRequest
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One batch's inputs on the host, padded to the batch's longest request.
+
+    `token_ids [B, L]` (zeros for requests that give embeddings), `embeddings
+    [len(embedding_rows), L, D]` for the requests in `embedding_rows`;
+    `contexts [len(context_rows), P, D]` replace BOS for `context_rows`.
+    """
+
+    token_ids: torch.Tensor
+    encoder_lengths: list[int]
+    beam_widths: list[int]
+    num_results: list[int]
+    embedding_rows: list[int]
+    embeddings: torch.Tensor | None
+    context_rows: list[int]
+    contexts: torch.Tensor | None
+    prefix_lengths: list[int]
+    full_rows: list[int]
+    temperatures: list[float]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.encoder_lengths)
+
+
+def prepare_batch(requests: Sequence[ValidRequest], d_model: int, pin_memory: bool = False) -> StepBatch:
+    """Pad a batch of validated requests into one `StepBatch` (pinned for a CUDA copy)."""
+    num_len = max(r.input_len for r in requests)
+    token_ids = np.zeros((len(requests), num_len), dtype=np.int64)         # [B, L]
+    embedding_rows = [i for i, r in enumerate(requests) if r.sparse_embedding is not None]
+    embeddings = np.zeros((len(embedding_rows), num_len, d_model), dtype=np.float32) \
+        if embedding_rows else None                                        # [Be, L, D]
+    for i, r in enumerate(requests):
+        if r.token_ids is not None:
+            token_ids[i, :len(r.token_ids)] = r.token_ids
+    for j, i in enumerate(embedding_rows):
+        embeddings[j, :requests[i].input_len] = requests[i].sparse_embedding
+    context_rows = [i for i, r in enumerate(requests) if r.context is not None]
+    contexts = None
+    if context_rows:
+        num_prefix = max(requests[i].prefix_len for i in context_rows)
+        contexts = np.zeros((len(context_rows), num_prefix, d_model), dtype=np.float32)  # [Bc, P, D]
+        for j, i in enumerate(context_rows):
+            contexts[j, :requests[i].prefix_len] = requests[i].context
+
+    def tensor(array: np.ndarray | None) -> torch.Tensor | None:
+        if array is None:
+            return None
+        t = torch.from_numpy(array)
+        return t.pin_memory() if pin_memory else t
+
+    return StepBatch(
+        token_ids=tensor(token_ids),
+        encoder_lengths=[r.input_len for r in requests],
+        beam_widths=[r.beam_width for r in requests],
+        num_results=[r.num_results for r in requests],
+        embedding_rows=embedding_rows, embeddings=tensor(embeddings),
+        context_rows=context_rows, contexts=tensor(contexts),
+        prefix_lengths=[r.prefix_len for r in requests],
+        full_rows=[i for i, r in enumerate(requests) if r.normalize == "full"],
+        temperatures=[r.temperature for r in requests])

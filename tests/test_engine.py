@@ -1,0 +1,125 @@
+"""Engine through the real scheduler and executor: concurrent pipelines, faults, deadlines,
+cancellation, shutdown. Instrumented with the executor's fault hook, never timed."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import wait
+
+import pytest
+
+from xrec import DeadlineExceeded, Engine, Internal, RecRequest, ResourceExhausted, Unavailable
+from xrec.demo import write_random_model
+
+WAIT_S = 60.0  # bound on every wait: a broken engine fails the test instead of hanging it
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_random_model(tmp_path_factory.mktemp("tiny"), "tiny", seed=3, num_items=300)
+
+
+def _requests(num: int, width: int = 8) -> list[RecRequest]:
+    return [RecRequest(token_ids=[(7 * i + j) % 60 for j in range(3 + i % 5)], beam_width=width,
+                       request_id=f"r{i}") for i in range(num)]
+
+
+def _summary(responses):
+    """Tokens exactly; scores to 1e-4 (batch padding changes float rounding, not results)."""
+    return [[(c.tokens, pytest.approx(c.score, abs=1e-4)) for c in r.results] for r in responses]
+
+
+class Gate:
+    """Fault hook that holds every batch until `release`, counting batches inside at once."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.inside = 0
+        self.max_inside = 0
+        self.both_inside = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, batch):
+        with self.lock:
+            self.inside += 1
+            self.max_inside = max(self.max_inside, self.inside)
+            if self.inside >= 2:
+                self.both_inside.set()
+        try:
+            assert self.release.wait(WAIT_S)
+        finally:
+            with self.lock:
+                self.inside -= 1
+
+
+def test_two_pipelines_run_two_batches_at_once_with_equal_results(model_dir):
+    requests = _requests(6)
+    with Engine.from_pretrained(model_dir, device="cpu", max_concurrency=1) as engine:
+        serial = _summary(engine.recommend(requests))
+    with Engine.from_pretrained(model_dir, device="cpu", max_concurrency=2,
+                                max_seqs_per_batch=1) as engine:
+        gate = Gate()
+        engine.executor.fault = gate
+        futures = [engine.submit(r) for r in requests]
+        assert gate.both_inside.wait(WAIT_S), "two batches never ran at the same time"
+        gate.release.set()
+        done, _ = wait(futures, timeout=WAIT_S)
+        assert len(done) == len(futures)
+        assert gate.max_inside == 2  # never more than max_concurrency
+        assert _summary([f.result() for f in futures]) == serial
+
+
+def test_failure_in_one_batch_fails_only_that_batch(model_dir):
+    with Engine.from_pretrained(model_dir, device="cpu", max_seqs_per_batch=1) as engine:
+        def fault(batch):
+            if any(r.request_id == "bad" for r in batch):
+                raise RuntimeError("injected")
+        engine.executor.fault = fault
+        bad = engine.submit(RecRequest(token_ids=[1, 2], beam_width=4, request_id="bad"))
+        good = engine.submit(RecRequest(token_ids=[1, 2], beam_width=4, request_id="good"))
+        with pytest.raises(Internal, match="injected"):
+            bad.result(WAIT_S)
+        assert good.result(WAIT_S).results
+        assert engine.recommend(_requests(2))[1].results  # the pipeline keeps serving
+
+
+def test_deadline_passes_while_waiting(model_dir):
+    with Engine.from_pretrained(model_dir, device="cpu", max_seqs_per_batch=1) as engine:
+        gate = Gate()
+        engine.executor.fault = gate
+        blocker = engine.submit(RecRequest(token_ids=[1], beam_width=4))
+        late = engine.submit(RecRequest(token_ids=[2], beam_width=4, timeout_ms=1))
+        with pytest.raises(DeadlineExceeded) as info:
+            late.result(WAIT_S)
+        assert info.value.code == "DEADLINE_EXCEEDED"
+        gate.release.set()
+        assert blocker.result(WAIT_S).results
+
+
+def test_cancelled_waiting_request_is_dropped(model_dir):
+    with Engine.from_pretrained(model_dir, device="cpu", max_seqs_per_batch=1) as engine:
+        gate = Gate()
+        engine.executor.fault = gate
+        blocker = engine.submit(RecRequest(token_ids=[1], beam_width=4))
+        waiting = engine.submit(RecRequest(token_ids=[2], beam_width=4))
+        assert waiting.cancel()
+        gate.release.set()
+        assert blocker.result(WAIT_S).results
+        assert engine.recommend(_requests(1))[0].results
+        assert engine.scheduler.num_waiting == 0
+
+
+def test_too_big_fails_at_once_while_others_are_served(model_dir):
+    with Engine.from_pretrained(model_dir, device="cpu", max_tokens_per_batch=16) as engine:
+        with pytest.raises(ResourceExhausted, match="max_tokens_per_batch"):
+            engine.submit(RecRequest(token_ids=list(range(20)), beam_width=4))
+        assert engine.recommend(_requests(3))[2].results
+
+
+def test_close_drains_queued_requests_then_refuses(model_dir):
+    engine = Engine.from_pretrained(model_dir, device="cpu", max_seqs_per_batch=1)
+    futures = [engine.submit(r) for r in _requests(4)]
+    engine.close(grace_s=WAIT_S)
+    assert all(f.result(0).results for f in futures)
+    with pytest.raises(Unavailable):
+        engine.submit(RecRequest(token_ids=[1]))

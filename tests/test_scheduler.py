@@ -1,0 +1,535 @@
+"""FixedStepsScheduler: budgets, FIFO, in-flight limit, deadlines, cancellation, shutdown.
+
+The executor here is a fake that runs batches on real worker threads. Tests hold
+batches with an Event and use a fake clock for deadlines; none asserts wall time.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import re
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from xrec.engine.scheduler import BatchLimits, FixedStepsScheduler, ScheduledRequest
+from xrec.errors import (DeadlineExceeded, Internal, ResourceExhausted, Unavailable,
+                         XrecError)
+
+WAIT_S = 5.0  # upper bound on any wait; a correct scheduler finishes long before
+
+
+def workspace_bytes(batch):
+    """Fake workspace estimate: grows with every request, like the executor's."""
+    return sum(request.num_tokens * request.beam_width for request in batch)
+
+
+def make_limits(**overrides) -> BatchLimits:
+    values = dict(max_seqs_per_batch=4, max_tokens_per_batch=100, max_beams_per_batch=16,
+                  max_workspace_bytes=10_000, max_concurrency=1, request_queue_size=64)
+    values.update(overrides)
+    return BatchLimits(**values)
+
+
+def make_request(request_id, num_tokens=1, beam_width=1, deadline=None, future=None):
+    extra = {"future": future} if future is not None else {}
+    return ScheduledRequest(request_id, num_tokens, beam_width, num_results=beam_width,
+                            payload=None, deadline=deadline, **extra)
+
+
+def eventually(predicate) -> None:
+    """Wait for state that only the scheduler's own thread changes (bounded)."""
+    give_up = time.monotonic() + WAIT_S
+    while not predicate():
+        assert time.monotonic() < give_up, "condition not reached"
+        time.sleep(0.001)
+
+
+class FakeClock:
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CountingFuture(Future):
+    """A Future that counts the answers that took effect (result, exception, cancel)."""
+
+    def __init__(self):
+        super().__init__()
+        self._count_lock = threading.Lock()
+        self.num_answers = 0
+
+    def _count(self):
+        with self._count_lock:
+            self.num_answers += 1
+
+    def set_result(self, result):
+        super().set_result(result)  # raises InvalidStateError when already done
+        self._count()
+
+    def set_exception(self, exception):
+        super().set_exception(exception)
+        self._count()
+
+    def cancel(self):
+        was_done = self.done()
+        is_cancelled = super().cancel()
+        if is_cancelled and not was_done:
+            self._count()
+        return is_cancelled
+
+
+class FakeExecutor:
+    """Runs launched batches on a pool of worker threads and calls batch_done() after each.
+
+    A request is answered with its request_id, or the whole batch fails with Internal
+    when one of its ids starts with "fail". While `gate` is clear, batches are held.
+    """
+
+    def __init__(self, num_workers: int = 4):
+        self.scheduler: FixedStepsScheduler | None = None
+        self.gate = threading.Event()
+        self.gate.set()
+        self.cond = threading.Condition()
+        self.batches: list[list[ScheduledRequest]] = []  # in launch order
+        self.num_in_flight = 0
+        self.max_in_flight = 0
+        self._batch_queue: queue.Queue = queue.Queue()
+        self._workers = [threading.Thread(target=self._work, daemon=True)
+                         for _ in range(num_workers)]
+        for worker in self._workers:
+            worker.start()
+
+    def launch(self, batch):
+        with self.cond:
+            self.batches.append(list(batch))
+            self.num_in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.num_in_flight)
+            self.cond.notify_all()
+        self._batch_queue.put(batch)
+
+    def _work(self):
+        while (batch := self._batch_queue.get()) is not None:
+            self.gate.wait()
+            is_failed = any(request.request_id.startswith("fail") for request in batch)
+            for request in batch:
+                if is_failed:
+                    request.fail(Internal("injected executor failure"))
+                else:
+                    request.answer(request.request_id)
+            with self.cond:  # before batch_done(): the scheduler may launch at once
+                self.num_in_flight -= 1
+                self.cond.notify_all()
+            self.scheduler.batch_done()
+
+    def wait_until(self, predicate) -> None:
+        with self.cond:
+            assert self.cond.wait_for(predicate, timeout=WAIT_S)
+
+    def launched_ids(self) -> list[str]:
+        with self.cond:
+            return [request.request_id for batch in self.batches for request in batch]
+
+    def shutdown(self) -> None:
+        self.gate.set()
+        for _ in self._workers:
+            self._batch_queue.put(None)
+        for worker in self._workers:
+            worker.join(WAIT_S)
+
+
+@pytest.fixture
+def make_scheduler():
+    made = []
+
+    def make(limits, *, launch=None, clock=time.monotonic, is_started=True):
+        executor = FakeExecutor()
+        scheduler = FixedStepsScheduler(limits, launch or executor.launch, workspace_bytes, clock)
+        executor.scheduler = scheduler
+        made.append((scheduler, executor))
+        if is_started:
+            scheduler.start()
+        return scheduler, executor
+
+    yield make
+    for scheduler, executor in made:
+        executor.gate.set()
+        scheduler.close(grace_s=WAIT_S)
+        executor.shutdown()
+
+
+def assert_within_budgets(batch, limits):
+    assert 1 <= len(batch) <= limits.max_seqs_per_batch
+    assert sum(r.num_tokens for r in batch) <= limits.max_tokens_per_batch
+    assert sum(r.beam_width for r in batch) <= limits.max_beams_per_batch
+    assert workspace_bytes(batch) <= limits.max_workspace_bytes
+
+
+@pytest.mark.parametrize("name, value", [
+    ("max_seqs_per_batch", 0), ("max_tokens_per_batch", True), ("max_concurrency", -1),
+    ("request_queue_size", 1.5), ("max_overtakes", -1), ("batch_wait_ms", float("nan"))])
+def test_limits_are_validated(name, value):
+    with pytest.raises(ValueError, match=f"{name}: got {re.escape(repr(value))}"):
+        make_limits(**{name: value})
+
+
+def test_request_sizes_are_validated():
+    with pytest.raises(ValueError, match="num_tokens: got -1"):
+        make_request("r", num_tokens=-1)
+    with pytest.raises(ValueError, match="beam_width: got 0"):
+        make_request("r", beam_width=0)
+
+
+def test_batches_respect_every_budget_and_fifo_order(make_scheduler):
+    limits = make_limits(max_seqs_per_batch=3, max_tokens_per_batch=20, max_beams_per_batch=8,
+                         max_workspace_bytes=60, max_concurrency=2)
+    scheduler, executor = make_scheduler(limits, is_started=False)
+    rng = random.Random(0)
+    requests = [make_request(f"r{i}", rng.randint(0, 10), rng.randint(1, 6)) for i in range(60)]
+    for request in requests:
+        scheduler.submit(request)
+    scheduler.start()
+    assert [r.future.result(WAIT_S) for r in requests] == [r.request_id for r in requests]
+    for batch in executor.batches:
+        assert_within_budgets(batch, limits)
+    assert executor.launched_ids() == [r.request_id for r in requests]
+    assert max(len(batch) for batch in executor.batches) > 1
+
+
+def test_launch_order_is_fifo_with_concurrent_pipelines(make_scheduler):
+    scheduler, executor = make_scheduler(make_limits(max_seqs_per_batch=2, max_concurrency=3))
+    requests = [make_request(f"r{i}", num_tokens=i % 7) for i in range(40)]
+    for request in requests:
+        scheduler.submit(request)
+    for request in requests:
+        assert request.future.result(WAIT_S) == request.request_id
+    assert executor.launched_ids() == [r.request_id for r in requests]
+
+
+@pytest.mark.parametrize("max_overtakes, expected", [
+    (0, [["X"], ["W"], ["Y", "Z"], ["V", "U"]]),
+    (1, [["X", "Z", "V"], ["W"], ["Y", "U"]]),
+    (2, [["X", "Z", "V"], ["W", "U"], ["Y"]]),
+])
+def test_overtaking_is_bounded(make_scheduler, max_overtakes, expected):
+    limits = make_limits(max_seqs_per_batch=3, max_tokens_per_batch=10,
+                         max_overtakes=max_overtakes)
+    scheduler, executor = make_scheduler(limits, is_started=False)
+    sizes = {"X": 4, "W": 8, "Y": 8, "Z": 2, "V": 2, "U": 2}
+    requests = [make_request(name, num_tokens) for name, num_tokens in sizes.items()]
+    for request in requests:
+        scheduler.submit(request)
+    scheduler.start()
+    for request in requests:
+        assert request.future.result(WAIT_S) == request.request_id
+    assert [[r.request_id for r in batch] for batch in executor.batches] == expected
+
+
+@pytest.mark.parametrize("num_tokens, beam_width, message", [
+    (101, 1, "needs 101 tokens; max_tokens_per_batch=100"),
+    (1, 17, "needs beam_width=17; max_beams_per_batch=16"),
+    (50, 16, "needs 800 workspace bytes; max_workspace_bytes=500"),
+])
+def test_request_too_big_for_an_empty_pipeline_fails_at_once(
+        make_scheduler, num_tokens, beam_width, message):
+    scheduler, executor = make_scheduler(make_limits(max_workspace_bytes=500))
+    before, after = make_request("before", 10), make_request("after", 10)
+    too_big = make_request("too-big", num_tokens, beam_width)
+    scheduler.submit(before)
+    with pytest.raises(ResourceExhausted, match=re.escape(message)):
+        scheduler.submit(too_big)
+    assert isinstance(too_big.future.exception(0), ResourceExhausted)
+    assert too_big.future.exception(0).request_id == "too-big"
+    scheduler.submit(after)
+    assert before.future.result(WAIT_S) == "before"
+    assert after.future.result(WAIT_S) == "after"
+    assert "too-big" not in executor.launched_ids()
+
+
+def test_request_that_only_has_to_wait_is_never_failed(make_scheduler):
+    scheduler, executor = make_scheduler(make_limits(max_tokens_per_batch=10))
+    executor.gate.clear()
+    first = make_request("first", num_tokens=10)  # holds the whole token budget
+    scheduler.submit(first)
+    executor.wait_until(lambda: executor.num_in_flight == 1)
+    waiting = [make_request(f"w{i}", num_tokens=10) for i in range(3)]
+    for request in waiting:
+        scheduler.submit(request)
+    assert scheduler.num_waiting == 3
+    assert not any(request.future.done() for request in waiting)
+    executor.gate.set()
+    for request in [first, *waiting]:
+        assert request.future.result(WAIT_S) == request.request_id
+
+
+def test_at_most_max_concurrency_batches_in_flight(make_scheduler):
+    scheduler, executor = make_scheduler(make_limits(max_seqs_per_batch=1, max_concurrency=2))
+    executor.gate.clear()
+    requests = [make_request(f"r{i}") for i in range(10)]
+    for request in requests:
+        scheduler.submit(request)
+    executor.wait_until(lambda: executor.num_in_flight == 2)
+    assert scheduler.num_running_batches == 2
+    assert scheduler.num_waiting == 8
+    executor.gate.set()
+    for request in requests:
+        assert request.future.result(WAIT_S) == request.request_id
+    assert executor.max_in_flight == 2
+    eventually(lambda: scheduler.num_running_batches == 0)
+
+
+def test_deadline_passing_while_waiting_fails_with_deadline_exceeded(make_scheduler):
+    clock = FakeClock()
+    scheduler, executor = make_scheduler(make_limits(max_seqs_per_batch=1), clock=clock)
+    executor.gate.clear()
+    running = make_request("running", deadline=10.0)
+    scheduler.submit(running)
+    executor.wait_until(lambda: executor.num_in_flight == 1)
+    expiring = make_request("expiring", deadline=10.0)
+    patient = make_request("patient", deadline=None)
+    scheduler.submit(expiring)
+    scheduler.submit(patient)
+    clock.now = 11.0  # the loop notices within its bounded wait
+    error = expiring.future.exception(WAIT_S)
+    assert isinstance(error, DeadlineExceeded) and error.request_id == "expiring"
+    assert scheduler.num_waiting == 1 and not patient.future.done()
+    executor.gate.set()
+    assert running.future.result(WAIT_S) == "running"  # the executor owns launched ones
+    assert patient.future.result(WAIT_S) == "patient"
+    assert "expiring" not in executor.launched_ids()
+
+
+def test_request_already_expired_is_never_launched(make_scheduler):
+    clock = FakeClock(now=5.0)
+    scheduler, executor = make_scheduler(make_limits(), clock=clock, is_started=False)
+    expired, alive = make_request("expired", deadline=1.0), make_request("alive", deadline=9.0)
+    scheduler.submit(expired)
+    scheduler.submit(alive)
+    scheduler.start()
+    assert isinstance(expired.future.exception(WAIT_S), DeadlineExceeded)
+    assert alive.future.result(WAIT_S) == "alive"
+    assert executor.launched_ids() == ["alive"]
+
+
+def test_cancelled_waiting_request_is_dropped_and_never_launched(make_scheduler):
+    scheduler, executor = make_scheduler(make_limits(max_seqs_per_batch=1))
+    executor.gate.clear()
+    running, cancelled, later = (make_request(name) for name in ("running", "cancelled", "later"))
+    scheduler.submit(running)
+    executor.wait_until(lambda: executor.num_in_flight == 1)
+    scheduler.submit(cancelled)
+    assert cancelled.future.cancel()
+    assert not running.future.cancel()  # launched: the executor owns its answer
+    eventually(lambda: scheduler.num_waiting == 0)  # its queue slot is freed
+    scheduler.submit(later)
+    executor.gate.set()
+    assert running.future.result(WAIT_S) == "running"
+    assert later.future.result(WAIT_S) == "later"
+    assert executor.launched_ids() == ["running", "later"]
+
+
+def test_launch_raising_fails_that_batch_and_the_next_batch_runs(make_scheduler):
+    calls = []
+
+    def launch(batch):
+        calls.append(batch)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        executor.launch(batch)
+
+    limits = make_limits(max_seqs_per_batch=2)
+    scheduler, executor = make_scheduler(limits, launch=launch, is_started=False)
+    requests = [make_request(name) for name in "ABCD"]
+    for request in requests:
+        scheduler.submit(request)
+    scheduler.start()
+    for request in requests[:2]:
+        error = request.future.exception(WAIT_S)
+        assert isinstance(error, Internal) and "boom" in str(error)
+    for request in requests[2:]:
+        assert request.future.result(WAIT_S) == request.request_id
+    eventually(lambda: scheduler.num_running_batches == 0)
+
+
+def test_full_request_queue_raises_resource_exhausted(make_scheduler):
+    scheduler, executor = make_scheduler(make_limits(request_queue_size=2), is_started=False)
+    queued = [make_request("a"), make_request("b")]
+    for request in queued:
+        scheduler.submit(request)
+    refused = make_request("c")
+    with pytest.raises(ResourceExhausted, match="request_queue_size=2"):
+        scheduler.submit(refused)
+    assert isinstance(refused.future.exception(0), ResourceExhausted)
+    scheduler.start()
+    for request in queued:
+        assert request.future.result(WAIT_S) == request.request_id
+    again = make_request("again")
+    scheduler.submit(again)
+    assert again.future.result(WAIT_S) == "again"
+
+
+def test_submitting_the_same_request_twice_is_refused(make_scheduler):
+    scheduler, _ = make_scheduler(make_limits(), is_started=False)
+    request = make_request("r")
+    scheduler.submit(request)
+    with pytest.raises(ValueError, match="already submitted"):
+        scheduler.submit(request)
+
+
+def test_batch_wait_holds_a_partial_batch_until_it_fills_or_times_out(make_scheduler):
+    clock = FakeClock()
+    limits = make_limits(max_seqs_per_batch=3, batch_wait_ms=1000.0)
+    scheduler, executor = make_scheduler(limits, clock=clock)
+    first = [make_request("a"), make_request("b")]
+    for request in first:
+        scheduler.submit(request)
+    assert executor.launched_ids() == []
+    clock.now = 1.5  # past the oldest request's wait: the partial batch goes
+    for request in first:
+        assert request.future.result(WAIT_S) == request.request_id
+    full = [make_request(name) for name in "cde"]
+    for request in full:
+        scheduler.submit(request)
+    for request in full:  # a full batch goes at once, without the clock moving
+        assert request.future.result(WAIT_S) == request.request_id
+    assert [[r.request_id for r in batch] for batch in executor.batches] == [
+        ["a", "b"], ["c", "d", "e"]]
+
+
+def test_close_drains_queued_and_running_requests(make_scheduler):
+    scheduler, executor = make_scheduler(make_limits(max_seqs_per_batch=1))
+    executor.gate.clear()
+    requests = [make_request(f"r{i}") for i in range(4)]
+    for request in requests:
+        scheduler.submit(request)
+    executor.wait_until(lambda: executor.num_in_flight == 1)
+    closer = threading.Thread(target=scheduler.close, kwargs={"grace_s": WAIT_S})
+    closer.start()
+    executor.gate.set()
+    closer.join(WAIT_S)
+    assert not closer.is_alive()
+    assert [r.future.result(0) for r in requests] == [r.request_id for r in requests]
+    assert scheduler.num_waiting == 0 and scheduler.num_running_batches == 0
+
+
+def test_close_answers_what_is_left_after_the_grace_period_unavailable(make_scheduler):
+    scheduler, executor = make_scheduler(make_limits(max_seqs_per_batch=1))
+    executor.gate.clear()
+    running, left = make_request("running"), [make_request("x"), make_request("y")]
+    scheduler.submit(running)
+    executor.wait_until(lambda: executor.num_in_flight == 1)
+    for request in left:
+        scheduler.submit(request)
+    scheduler.close(grace_s=0.05)
+    for request in left:
+        error = request.future.exception(0)
+        assert isinstance(error, Unavailable) and "shutting down" in str(error)
+    assert not running.future.done()  # still the executor's to answer
+    late = make_request("late")
+    with pytest.raises(Unavailable):
+        scheduler.submit(late)
+    assert isinstance(late.future.exception(0), Unavailable)
+    scheduler.close()  # idempotent
+    executor.gate.set()
+    assert running.future.result(WAIT_S) == "running"
+    assert executor.launched_ids() == ["running"]
+
+
+def test_close_before_start_answers_queued_requests(make_scheduler):
+    scheduler, _ = make_scheduler(make_limits(), is_started=False)
+    request = make_request("r")
+    scheduler.submit(request)
+    scheduler.close()
+    assert isinstance(request.future.exception(0), Unavailable)
+    with pytest.raises(RuntimeError):
+        scheduler.start()
+
+
+KINDS = ("ok", "ok", "ok", "cancel", "fail", "launchfail")
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(specs=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 12), st.sampled_from(KINDS)),
+                      min_size=1, max_size=40),
+       max_concurrency=st.integers(1, 3), max_seqs=st.integers(1, 4),
+       max_overtakes=st.integers(0, 2), queue_size=st.integers(4, 40),
+       num_threads=st.integers(1, 4), is_closed_early=st.booleans(),
+       grace_s=st.sampled_from([0.0, WAIT_S]))
+def test_every_request_is_answered_exactly_once(specs, max_concurrency, max_seqs, max_overtakes,
+                                                queue_size, num_threads, is_closed_early,
+                                                grace_s):
+    limits = BatchLimits(max_seqs_per_batch=max_seqs, max_tokens_per_batch=30,
+                         max_beams_per_batch=10, max_workspace_bytes=200,
+                         max_concurrency=max_concurrency, request_queue_size=queue_size,
+                         max_overtakes=max_overtakes)
+    executor = FakeExecutor(num_workers=4)
+    attempted: list[str] = []  # every request handed to launch(), raising or not
+
+    def launch(batch):
+        attempted.extend(request.request_id for request in batch)  # only the loop calls this
+        if any(request.request_id.startswith("launchfail") for request in batch):
+            raise RuntimeError("injected launch failure")
+        executor.launch(batch)
+
+    scheduler = FixedStepsScheduler(limits, launch, workspace_bytes)
+    executor.scheduler = scheduler
+    requests = [make_request(f"{kind}-{i}", num_tokens, beam_width, future=CountingFuture())
+                for i, (num_tokens, beam_width, kind) in enumerate(specs)]
+    refused: dict[str, XrecError] = {}
+    barrier = threading.Barrier(num_threads + 1)
+
+    def submit_share(share):
+        barrier.wait()
+        for request in share:
+            try:
+                scheduler.submit(request)
+            except XrecError as exc:
+                refused[request.request_id] = exc
+        for request in reversed(share):
+            if request.request_id.startswith("cancel"):
+                request.future.cancel()
+
+    submitters = [threading.Thread(target=submit_share, args=(requests[k::num_threads],))
+                  for k in range(num_threads)]
+    for thread in submitters:
+        thread.start()
+    scheduler.start()
+    barrier.wait()
+    if is_closed_early:
+        scheduler.close(grace_s=grace_s)
+    for thread in submitters:
+        thread.join(WAIT_S)
+    scheduler.close(grace_s=grace_s)
+    executor.shutdown()  # runs what was launched to the end
+
+    launched = executor.launched_ids()
+    assert len(attempted) == len(set(attempted)) and set(launched) <= set(attempted)
+    assert executor.max_in_flight <= max_concurrency
+    for batch in executor.batches:
+        assert_within_budgets(batch, limits)
+    for request in requests:
+        future = request.future
+        assert future.done() and future.num_answers == 1, request
+        is_too_big = (request.num_tokens > 30 or request.beam_width > 10
+                      or workspace_bytes([request]) > 200)
+        if is_too_big:  # refused at once; after close() began, Unavailable comes first
+            assert isinstance(refused[request.request_id], (ResourceExhausted, Unavailable))
+        if request.request_id in refused:
+            assert future.exception(0) is refused[request.request_id]
+            assert request.request_id not in attempted
+        elif request.request_id in attempted:  # running: cancel() could not win any more
+            if future.exception(0) is not None:
+                assert isinstance(future.exception(0), Internal)
+            else:
+                assert future.result(0) == request.request_id
+        elif not future.cancelled():
+            assert isinstance(future.exception(0), Unavailable)
+            assert grace_s == 0.0
+    assert scheduler.num_waiting == 0 and scheduler.num_running_batches == 0
