@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -141,12 +142,10 @@ def _validate(request: RecRequest, limits: SearchLimits, rid: str) -> ValidReque
     if normalize not in NORMALIZATIONS:
         raise InvalidArgument(f"normalize: got {normalize!r}, allowed: {', '.join(NORMALIZATIONS)}")
     temperature = request.temperature
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-            or not math.isfinite(temperature) or temperature < 0:
+    if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
         raise InvalidArgument(f"temperature: got {temperature!r}, expected a finite number >= 0")
     timeout = request.timeout_ms
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not math.isfinite(timeout) or timeout <= 0):
+    if timeout is not None and (not _is_real(timeout) or not math.isfinite(timeout) or timeout <= 0):
         raise InvalidArgument(f"timeout_ms: got {timeout!r}, expected a positive number")
     if not isinstance(request.return_items, bool):
         raise InvalidArgument(f"return_items: got {request.return_items!r}, expected true or false")
@@ -154,7 +153,13 @@ def _validate(request: RecRequest, limits: SearchLimits, rid: str) -> ValidReque
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise InvalidArgument(f"seed: got {seed!r}, expected an integer >= 0")
     return ValidRequest(rid, token_ids, embedding, context, width, top_k, num_results, normalize,
-                        float(temperature), request.return_items, timeout, seed)
+                        float(temperature), request.return_items,
+                        None if timeout is None else float(timeout), seed)
+
+
+def _is_real(value: Any) -> bool:
+    """A real number, numpy scalars included (np.float32 is no `float`); not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 def _int(name: str, value: Any, default: int, low: int, high: int) -> int:
@@ -185,7 +190,8 @@ def _token_ids(values: Any, limits: SearchLimits) -> np.ndarray:
 
 def _matrix(name: str, values: Any, width: int) -> np.ndarray:
     try:
-        array = np.asarray(values, dtype=np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):   # beyond float32 range -> inf, refused below
+            array = np.asarray(values, dtype=np.float32)
     except (TypeError, ValueError) as e:
         raise InvalidArgument(f"{name}: not a numeric matrix ({e})") from None
     if array.ndim != 2 or array.shape[1] != width:
@@ -194,5 +200,6 @@ def _matrix(name: str, values: Any, width: int) -> np.ndarray:
     finite = np.isfinite(array)
     if not finite.all():
         row, col = np.argwhere(~finite)[0]
-        raise InvalidArgument(f"{name}[{row}][{col}]: got {array[row, col]}, NaN and Inf are not allowed")
+        raise InvalidArgument(f"{name}[{row}][{col}]: got {array[row, col]} as float32; NaN, Inf and "
+                              f"values beyond the float32 range are not allowed")
     return np.ascontiguousarray(array)

@@ -8,6 +8,7 @@ and Hugging Face's `"t5"` keys (gated-SiLU only). `to_dict` writes the
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,7 @@ class ModelConfig:
                      "head_dim", "num_kv_heads", "decoder_num_heads", "decoder_head_dim",
                      "decoder_num_kv_heads", "vocab_size", "relative_attention_num_buckets",
                      "relative_attention_max_distance"):
-            _check_positive(name, getattr(self, name))
+            _check_positive(_ONEREC_RENAMES.get(name, name), getattr(self, name))  # the config.json key
         for heads, kv, prefix in ((self.num_heads, self.num_kv_heads, ""),
                                   (self.decoder_num_heads, self.decoder_num_kv_heads, "decoder_")):
             if heads % kv:
@@ -64,6 +65,11 @@ class ModelConfig:
                     f"config key {prefix}num_key_value_heads: got {kv}, which does not divide "
                     f"{prefix}num_heads={heads}; allowed: a divisor of {prefix}num_heads")
         if not self.use_absolute_position_embedding:
+            if self.relative_attention_num_buckets < 4:
+                raise ValueError(
+                    f"config key 'relative_attention_num_buckets': got "
+                    f"{self.relative_attention_num_buckets}, expected >= 4 with relative position bias "
+                    "(T5 bucketing needs at least one exact bucket per direction)")
             smallest = self.relative_attention_num_buckets // 2 + 1
             if self.relative_attention_max_distance < smallest:
                 raise ValueError(
@@ -71,7 +77,8 @@ class ModelConfig:
                     f"{self.relative_attention_max_distance}, must be > relative_attention_num_buckets"
                     f" / 2 = {self.relative_attention_num_buckets // 2} (log-spaced buckets)")
         if not 0 <= self.bos_token_id < self.vocab_size:
-            raise ValueError(f"config key 'bos_token_id': got {self.bos_token_id}, "
+            raise ValueError(f"config key 'bos_token_id' ('decoder_start_token_id' in the t5 dialect): "
+                             f"got {self.bos_token_id}, "
                              f"expected 0 <= id < vocab_size={self.vocab_size}")
         if not self.layer_norm_epsilon > 0:
             raise ValueError(f"config key 'layer_norm_epsilon': got {self.layer_norm_epsilon!r}, "
@@ -84,6 +91,9 @@ class ModelConfig:
             if not 1 <= self.moe_topk <= self.moe_num_experts:
                 raise ValueError(f"config key 'moe_topk': got {self.moe_topk}, expected "
                                  f"1 <= moe_topk <= moe_num_experts={self.moe_num_experts}")
+            if not (math.isfinite(self.moe_route_scale) and self.moe_route_scale > 0):
+                raise ValueError(f"config key 'moe_route_scale': got {self.moe_route_scale!r}, "
+                                 "expected a finite number > 0")
             if self.moe_use_shared_experts and self.moe_num_shared_experts < 1:
                 raise ValueError("config key 'moe_num_shared_experts': got "
                                  f"{self.moe_num_shared_experts} with moe_use_shared_experts=true; "

@@ -24,7 +24,9 @@ def build_responses(output: StepOutput, requests: Sequence[ValidRequest], catalo
         tokens = output.tokens[b, :keep]                                  # [n, R]
         logprobs = output.token_logprobs[b, :keep]
         item_rows: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * keep
-        if catalog is not None and request.return_items and keep:
+        # only whole semantic IDs have items (free decoding may run another number of rounds)
+        is_whole = catalog is not None and tokens.shape[1] == catalog.triples.shape[1]
+        if is_whole and request.return_items and keep:
             item_rows = catalog.convert(tokens, each_threshold, total_threshold, seed=request.seed)
         token_lists, score_list, lp_lists = tokens.tolist(), scores[:keep].tolist(), logprobs.tolist()
         results = [RecCandidate(tuple(token_lists[i]), score_list[i], tuple(lp_lists[i]),

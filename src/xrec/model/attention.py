@@ -71,7 +71,8 @@ def attend_beams(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
 def shared_stage(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Shared stage: `q [B, W, H, Dh]` against the request's prefix `k/v [B, kvH, P, Dh]`,
-    non-causal; `bias [B, H, P]` additive (position bias and -inf padding) or None.
+    non-causal; `bias [B, H, P]` additive (position bias and -inf padding), `[B, 1, P]`
+    (padding only, every head) or None.
     Returns `o [B, W, H, Dh]` and `lse [B, W, H]` (float32)."""
     num_batch, num_beams, num_heads, head_dim = q.shape
     num_kv, num_keys = k.shape[1], k.shape[2]
@@ -81,7 +82,8 @@ def shared_stage(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.
     scores = (qg @ k.transpose(-1, -2)).float() * scale                  # [B, kvH, G*W, P]
     scores = scores.view(num_batch, num_kv, group, num_beams, num_keys)
     if bias is not None:
-        scores = scores + bias.view(num_batch, num_kv, group, 1, num_keys)
+        bias = bias.expand(num_batch, num_heads, num_keys)
+        scores = scores + bias.reshape(num_batch, num_kv, group, 1, num_keys)
     lse = torch.logsumexp(scores, dim=-1)                                 # [B, kvH, G, W]
     probs = torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype)
     out = probs.view(num_batch, num_kv, group * num_beams, num_keys) @ v  # [B, kvH, G*W, Dh]

@@ -54,21 +54,25 @@ def read_checkpoint(model_dir: Path, config: ModelConfig) -> dict[str, torch.Ten
     """All tensors of all `*.safetensors` files in `model_dir`, under canonical names."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        pickles = [p.name for p in model_dir.glob("*.bin")] + [p.name for p in model_dir.glob("*.pt")]
+        pickles = sorted(p.name for pattern in ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+                         for p in model_dir.glob(pattern))
         hint = f" (found {pickles}: pickle checkpoints are never loaded; convert to safetensors)" \
             if pickles else ""
         raise CheckpointError(f"no *.safetensors file in {model_dir}{hint}")
     tensors: dict[str, torch.Tensor] = {}
-    origin: dict[str, str] = {}
+    origin: dict[str, tuple[str, str]] = {}
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for raw in f.keys():
                 name = canonical_name(raw, config.use_moe)
                 if name in tensors:
-                    raise CheckpointError(f"tensor {name!r} appears twice: as {origin[name]!r} and "
-                                          f"as {raw!r} in {path.name}")
+                    first_raw, first_file = origin[name]
+                    raise CheckpointError(
+                        f"tensor {name!r} appears twice: as {first_raw!r} in {first_file} "
+                        f"{list(tensors[name].shape)} and as {raw!r} in {path.name} "
+                        f"{list(f.get_slice(raw).get_shape())}")
                 tensors[name] = f.get_tensor(raw)
-                origin[name] = f"{raw}' in '{path.name}"
+                origin[name] = (raw, path.name)
     aliases = [n for n in EMBEDDING_ALIASES if n in tensors]
     if "shared.weight" not in tensors and aliases:
         tensors["shared.weight"] = tensors[aliases[0]]
@@ -77,8 +81,11 @@ def read_checkpoint(model_dir: Path, config: ModelConfig) -> dict[str, torch.Ten
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some exporters write the tied head out; it is `shared`
     if config.use_absolute_position_embedding:
-        # a T5 checkpoint switched to absolute mode may still carry (zeroed) bias tables
+        # a T5 checkpoint switched to absolute mode may still carry zeroed bias tables
         for name in [n for n in tensors if n.endswith("relative_attention_bias.weight")]:
+            if tensors[name].count_nonzero():
+                raise CheckpointError(f"tensor {name!r} holds a non-zero relative position bias, "
+                                      "but config.json says use_absolute_position_embedding=true")
             del tensors[name]
     return tensors
 
@@ -88,9 +95,11 @@ def check_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Si
     unexpected = sorted(set(tensors) - set(expected))
     problems = []
     if missing:
-        problems.append(f"missing tensors: {_listing(missing)}")
+        problems.append(f"missing tensors (with the shapes config.json implies): "
+                        f"{_listing(missing, expected)}")
     if unexpected:
-        problems.append(f"unexpected tensors: {_listing(unexpected)}")
+        problems.append(f"unexpected tensors (with their shapes): "
+                        f"{_listing(unexpected, {n: tensors[n].shape for n in unexpected})}")
     for name in sorted(set(expected) & set(tensors)):
         if tuple(tensors[name].shape) != tuple(expected[name]):
             problems.append(f"tensor {name!r} has shape {list(tensors[name].shape)}, "
@@ -119,6 +128,8 @@ def save_model(model_dir: str | Path, config: ModelConfig, state_dict: dict[str,
     """Write `config.json` and `model.safetensors` (or numbered shards past `max_shard_bytes`)."""
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
+    for stale in model_dir.glob("*.safetensors"):  # a reused directory must not mix checkpoints
+        stale.unlink()
     (model_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -135,6 +146,6 @@ def save_model(model_dir: str | Path, config: ModelConfig, state_dict: dict[str,
         save_file(shard, str(model_dir / name), metadata={"format": "pt"})
 
 
-def _listing(names: list[str], limit: int = 8) -> str:
-    shown = ", ".join(repr(n) for n in names[:limit])
+def _listing(names: list[str], shapes: dict[str, torch.Size], limit: int = 8) -> str:
+    shown = ", ".join(f"{n!r} {list(shapes[n])}" for n in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

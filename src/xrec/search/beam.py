@@ -61,12 +61,15 @@ def select_top(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     """
     num_rows, num_cands = scores.shape
     take = min(k, num_cands)
-    values, indices = scores.topk(take, dim=-1, sorted=True)
-    # deterministic tie order: by index, then a stable sort by value
-    indices, order = indices.sort(dim=-1)
-    values = values.gather(-1, order)
-    values, order = values.sort(dim=-1, descending=True, stable=True)
-    indices = indices.gather(-1, order)
+    # topk leaves the order of equal values to the kernel, so it runs on unique int64 keys:
+    # high 32 bits = the float32 score's bits made order-preserving, low 32 bits = the
+    # reversed index. Best key first = best score first, equal scores by lower index.
+    bits = (scores.float() + 0.0).view(torch.int32)                    # + 0.0: -0.0 -> 0.0
+    bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)                          # [B, M] ordered like scores
+    reversed_index = torch.arange(num_cands - 1, -1, -1, device=scores.device)
+    keys = bits.to(torch.int64) * (1 << 32) + reversed_index           # [B, M] unique per row
+    indices = keys.topk(take, dim=-1, sorted=True).indices             # [B, take]
+    values = scores.gather(-1, indices)
     if take < k:
         pad = k - take
         values = torch.cat([values, values.new_full((num_rows, pad), NEG_INF)], dim=-1)

@@ -42,8 +42,12 @@ class RecStep:
     """
 
     def __init__(self, model: OneRecModel, tables: ConstraintTables | None, rounds: int = 3):
-        if tables is not None and rounds > tables.num_levels:
-            raise ValueError(f"rounds={rounds} exceeds the catalog's {tables.num_levels} token levels")
+        if tables is not None and tables.max_children[0] == 0:
+            raise ValueError("the catalog has no items: constrained decoding has nothing to choose from")
+        if tables is not None and rounds != tables.num_levels:
+            # fewer rounds would return prefixes, which are not catalog items
+            raise ValueError(f"rounds={rounds}, but the catalog's semantic IDs have {tables.num_levels} "
+                             f"tokens; constrained decoding needs rounds={tables.num_levels}")
         self.model, self.tables, self.rounds = model, tables, rounds
         self.device = model.shared.weight.device
         vocab = model.config.vocab_size
@@ -110,8 +114,9 @@ class RecStep:
         model = self.model
         if self.tables is None:
             lp = torch.log_softmax(rows.scale(model.logits(hidden)), dim=-1)   # [B, W, V]
-            values, token_ids = lp.topk(min(keep, lp.shape[-1]), dim=-1)
-            return values, token_ids, None
+            # per beam, best first; equal log-probs in token order (the tie rule)
+            values, token_ids = select_top(lp.flatten(0, 1), min(keep, lp.shape[-1]))
+            return values.view(*lp.shape[:2], -1), token_ids.view(*lp.shape[:2], -1), None
         tables = self.tables
         children = gather_children(tables.offsets[level], tables.tokens[level], nodes,
                                    tables.max_children[level])

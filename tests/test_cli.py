@@ -1,0 +1,141 @@
+"""The `xrec` command line, run as a user would (subprocesses with XREC_HOME in a tmp dir)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from xrec import Engine, RecRequest
+from xrec.catalog import ItemCatalog
+
+TIMEOUT_S = 120.0
+ROW = re.compile(r"^\s*(\d+)\s+\((\d+), (\d+), (\d+)\)\s+(-?\d+\.\d+)\s+((?:-?\d+\.\d+\s+){3})(.*)$")
+
+
+def xrec_cli(*args: str, home: Path, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+    """`python -m xrec.cli ARGS` with the venv's interpreter, XREC_HOME=home."""
+    env = dict(os.environ, XREC_HOME=str(home), PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "xrec.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    return tmp_path_factory.mktemp("xrec-home")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, home):
+    out = tmp_path_factory.mktemp("models") / "tiny"
+    proc = xrec_cli("make-model", "--size", "tiny", "--out", str(out), "--items", "500", home=home)
+    assert proc.returncode == 0, proc.stderr
+    assert str(out) in proc.stdout
+    return out
+
+
+def test_make_model_writes_a_loadable_directory(tiny_model):
+    names = {p.name for p in tiny_model.iterdir()}
+    assert {"config.json", "tokenizer_config.json"} <= names
+    assert any(name.endswith(".safetensors") for name in names)
+    catalog = ItemCatalog.from_model_dir(tiny_model, 64)
+    assert catalog is not None and catalog.num_items == 500
+    with Engine.from_pretrained(tiny_model, device="cpu", dtype="float32") as engine:
+        assert engine.model.config.vocab_size == 64 and engine.model.config.d_model == 32
+        assert engine.catalog is not None and engine.catalog.num_items == 500
+        box: dict = {}
+        thread = threading.Thread(target=lambda: box.setdefault(
+            "r", engine.recommend([RecRequest(token_ids=[1, 2, 3], beam_width=16)])), daemon=True)
+        thread.start()
+        thread.join(TIMEOUT_S)
+        assert "r" in box, "Engine.recommend did not answer"
+    response, = box["r"]
+    triples = {tuple(t) for t in catalog.triples.tolist()}
+    assert len(response.results) == 16
+    for candidate in response.results:
+        assert candidate.tokens in triples
+        assert candidate.items and all(i.item_id in set(catalog.item_ids.tolist()) for i in candidate.items)
+
+
+def test_recommend_prints_a_table(tiny_model, home):
+    proc = xrec_cli("recommend", "--model", str(tiny_model), "--token-ids", "1,2,3", "--top-n", "5",
+                    "--device", "cpu", home=home)
+    assert proc.returncode == 0, proc.stderr
+    rows = [ROW.match(line) for line in proc.stdout.splitlines()]
+    rows = [m for m in rows if m]
+    assert len(rows) == 5, proc.stdout
+    assert [int(m.group(1)) for m in rows] == [1, 2, 3, 4, 5]
+    catalog = ItemCatalog.from_model_dir(tiny_model, 64)
+    items_of: dict = {}
+    for item_id, triple in zip(catalog.item_ids.tolist(), catalog.triples.tolist()):
+        items_of.setdefault(tuple(triple), []).append(item_id)
+    scores = []
+    for m in rows:
+        triple = (int(m.group(2)), int(m.group(3)), int(m.group(4)))
+        assert triple in items_of, f"{triple} is not a catalog triple"
+        printed = [int(x) for x in re.findall(r"\d+", m.group(7))]
+        assert printed and printed == items_of[triple][:3]
+        lps = [float(x) for x in m.group(6).split()]
+        scores.append(float(m.group(5)))
+        assert sum(lps) == pytest.approx(scores[-1], abs=2e-3)
+    assert scores == sorted(scores, reverse=True)
+    # the same request through the Python API (the CLI's default beam width 128) ranks the same
+    with Engine.from_pretrained(tiny_model, device="cpu", dtype="float32") as engine:
+        future = engine.submit(RecRequest(token_ids=[1, 2, 3], beam_width=128))
+        response = future.result(timeout=TIMEOUT_S)
+    assert [c.tokens for c in response.results[:5]] == [
+        (int(m.group(2)), int(m.group(3)), int(m.group(4))) for m in rows]
+    assert [c.score for c in response.results[:5]] == pytest.approx(scores, abs=1e-3)
+
+
+@pytest.mark.parametrize("token_ids,words", [
+    ("1,x,3", ["--token-ids", "1,x,3"]),
+    ("1,2,999", ["INVALID_ARGUMENT", "token_ids", "999"]),
+])
+def test_recommend_bad_token_ids(tiny_model, home, token_ids, words):
+    proc = xrec_cli("recommend", "--model", str(tiny_model), "--token-ids", token_ids, "--device", "cpu",
+                    home=home)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    for word in words:
+        assert word in proc.stderr, proc.stderr
+    assert not any(ROW.match(line) for line in proc.stdout.splitlines())
+
+
+def test_help(home):
+    proc = xrec_cli("--help", home=home)
+    assert proc.returncode == 0, proc.stderr
+    for command in ("serve", "recommend", "make-model", "bench"):
+        assert command in proc.stdout
+    for command in ("recommend", "make-model"):
+        sub = xrec_cli(command, "--help", home=home)
+        assert sub.returncode == 0 and "usage: xrec " + command in sub.stdout, sub.stderr
+    assert "--token-ids" in xrec_cli("recommend", "--help", home=home).stdout
+    # --help must not pay for torch (SPEC: the CLI's --help starts in well under a second)
+    probe = subprocess.run([sys.executable, "-c", "import sys, xrec, xrec.cli; xrec.cli.build_parser(); "
+                            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"],
+                           capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert probe.returncode == 0 and probe.stdout.strip() == "[]", probe.stdout + probe.stderr
+
+
+def test_console_script(home, tmp_path):
+    """The installed `xrec` entry point (next to the venv's python) runs too."""
+    script = Path(sys.executable).with_name("xrec")
+    if not script.exists():
+        pytest.skip("no xrec console script next to this interpreter")
+    proc = subprocess.run([str(script), "make-model", "--size", "nosuch", "--out", str(tmp_path / "m")],
+                          capture_output=True, text=True, timeout=TIMEOUT_S,
+                          env=dict(os.environ, XREC_HOME=str(home)))
+    assert proc.returncode != 0 and "nosuch" in proc.stderr
+    assert not (tmp_path / "m").exists()
+
+
+def test_make_model_bad_arguments(home, tmp_path):
+    proc = xrec_cli("make-model", "--size", "tiny", "--out", str(tmp_path / "m"), "--items", "-5", home=home)
+    assert proc.returncode != 0
+    assert "items" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,550 @@
+"""The OneRec network (xrec.model) against its oracles, driven the way the search drives it
+(encode -> prepare_cross -> decode_prefix -> decode_step per round, beams reordered between rounds).
+
+* Hugging Face T5 (tests/oracles/hf.py), saved with `save_pretrained` and loaded by xrec: encoder
+  output, the prefix's logits and every round's logits of every beam, for token ids and
+  `inputs_embeds`, relative bias and absolute mode, tied and untied heads, a padded batch of
+  requests of different lengths, decoder context rows as a ragged prefix, bfloat16 (loose);
+* the naive float64 reference (tests/oracles/naive.py) where HF cannot go: MoE (with and without
+  shared experts), GQA, decoder heads unlike the encoder's;
+* the checkpoint loader: xllm names and both prefixes, shards, `save_model` round trip, and every
+  refusal with a message naming the tensor and the shapes.
+
+Tolerance against the float32/float64 oracles: max |error| <= 1e-4 * max |reference|.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from oracles.naive import NaiveOneRec
+from oracles.weights import random_state_dict, save_checkpoint, to_xllm_names
+from xrec.config import ModelConfig
+from xrec.model.kv import BeamKV
+from xrec.model.loader import CheckpointError, load_model, save_model
+from xrec.model.onerec import padding_mask
+
+RTOL = 3e-5          # float32 against float32 HF / float64 naive, relative to the largest magnitude
+# bfloat16 weights and activations against float32 HF: per vector, and the relative RMS over all.
+# (HF T5 itself in bfloat16 is off by up to ~17% of the largest logit on these random models.)
+BF16_RTOL, BF16_RMS = 0.25, 0.1
+
+
+def _rel_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = RTOL, what: str = "") -> None:
+    """max |a - e| <= rtol * max |e|."""
+    actual = actual.detach().to(torch.float64)
+    expected = expected.detach().to(torch.float64)
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    assert torch.isfinite(actual).all(), what
+    err = float((actual - expected).abs().max())
+    scale = float(expected.abs().max())
+    assert err <= rtol * scale, f"{what}: max abs error {err:.3e} > {rtol} * {scale:.3e}"
+
+
+# ---------------------------------------------------------------------------
+# driving the model as the search does
+# ---------------------------------------------------------------------------
+
+@torch.no_grad()
+def run_xrec(model, requests, contexts, feeds: torch.Tensor, parents: torch.Tensor | None, seed: int = 0):
+    """Run a batch through xrec.
+
+    `requests`: token-id lists or float `[L, D]` tensors (sparse embeddings), padded to the
+    longest (padding filled with noise, which the key mask must hide); `contexts`: per request
+    `[n, D]` rows or None (BOS), padded the same way; `feeds [R, B, W]`: the token each beam is
+    fed in rounds 1..R; `parents [R-1, B, W]`: after round r < R, beam j takes the history of
+    beam parents[r-1, b, j] (None: no reorder).
+
+    Returns (encoder outputs `[L_b, D]` per request, prefix logits `[B, V]`, and per round
+    (token history of every beam `seqs[b][w]`, logits `[B, W, V]`)).
+    """
+    cfg = model.config
+    dtype = model.shared.weight.dtype
+    g = torch.Generator().manual_seed(seed)
+    num_batch, d_model = len(requests), cfg.d_model
+    lengths = [len(r) for r in requests]
+    hidden = 3.0 * torch.randn(num_batch, max(lengths), d_model, generator=g)   # [B, L, D] noise padding
+    hidden = hidden.to(dtype)
+    for b, request in enumerate(requests):
+        is_embeds = torch.is_tensor(request) and request.is_floating_point()
+        hidden[b, :lengths[b]] = request.to(dtype) if is_embeds else model.embed(torch.tensor(request))
+    key_mask = None if min(lengths) == max(lengths) else padding_mask(torch.tensor(lengths), max(lengths))
+    encoder_output = model.encode(hidden, key_mask)
+    cross = model.prepare_cross(encoder_output, key_mask)
+
+    rows = [model.embed(torch.tensor([cfg.bos_token_id])) if c is None else c.to(dtype) for c in contexts]
+    prefix_lengths = [len(r) for r in rows]
+    prefix = (3.0 * torch.randn(num_batch, max(prefix_lengths), d_model, generator=g)).to(dtype)  # [B, P, D]
+    for b, r in enumerate(rows):
+        prefix[b, :len(r)] = r
+    is_ragged = min(prefix_lengths) != max(prefix_lengths)
+    last, prefix_kv = model.decode_prefix(prefix, torch.tensor(prefix_lengths), is_ragged, cross)
+    assert last.shape == (num_batch, d_model)
+    prefix_logits = model.logits(last)
+    assert prefix_logits.dtype == torch.float32
+
+    num_rounds, _, num_beams = feeds.shape
+    beams = BeamKV(cfg.num_decoder_layers, num_batch, num_beams, num_rounds, cfg.decoder_num_kv_heads,
+                   cfg.decoder_head_dim, dtype, torch.device("cpu"))
+    seqs = [[[] for _ in range(num_beams)] for _ in range(num_batch)]
+    rounds = []
+    for r in range(1, num_rounds + 1):
+        h = model.decode_step(model.embed(feeds[r - 1]), r, prefix_kv, beams, cross)   # [B, W, D]
+        assert h.shape == (num_batch, num_beams, d_model)
+        for b in range(num_batch):
+            for w in range(num_beams):
+                seqs[b][w].append(int(feeds[r - 1, b, w]))
+        rounds.append(([[list(s) for s in row] for row in seqs], model.logits(h)))
+        if parents is not None and r < num_rounds:
+            offsets = torch.arange(num_batch).unsqueeze(1) * num_beams
+            beams.reorder((parents[r - 1] + offsets).flatten())
+            seqs = [[list(seqs[b][int(p)]) for p in parents[r - 1, b]] for b in range(num_batch)]
+    outputs = [encoder_output[b, :n] for b, n in enumerate(lengths)]
+    return outputs, prefix_logits, rounds
+
+
+def check_rounds(got, ref_encode, ref_logits, rtol: float = RTOL) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`ref_encode(b)` -> `[L_b, D]`; `ref_logits(b, seq)` -> logits `[V]` of the last decoder
+    position when request b's decoder input is its prefix followed by the tokens `seq`.
+    Returns the compared (actual, expected) pairs."""
+    outputs, prefix_logits, rounds = got
+    pairs = []
+    for b, out in enumerate(outputs):
+        pairs.append((out, ref_encode(b)))
+        _rel_close(*pairs[-1], rtol, f"encoder output of request {b}")
+        pairs.append((prefix_logits[b], ref_logits(b, [])))
+        _rel_close(*pairs[-1], rtol, f"prefix logits of request {b}")
+    for r, (seqs, logits) in enumerate(rounds, start=1):
+        for b, row in enumerate(seqs):
+            for w, seq in enumerate(row):
+                pairs.append((logits[b, w], ref_logits(b, seq)))
+                _rel_close(*pairs[-1], rtol, f"round {r}, request {b}, beam {w} ({seq})")
+    return pairs
+
+
+def hf_reference(hf, requests, contexts):
+    """`ref_encode`, `ref_logits` from Hugging Face, one unpadded request at a time."""
+    from oracles.hf import hf_encoder_and_logits
+
+    cache = {}
+
+    def run(b, seq):
+        key = (b, tuple(seq))
+        if key not in cache:
+            if contexts[b] is None:
+                cache[key] = hf_encoder_and_logits(hf, requests[b], [0] + list(seq))
+            else:
+                rows = torch.cat([contexts[b], hf.shared.weight[torch.tensor(seq, dtype=torch.long)]])
+                cache[key] = hf_encoder_and_logits(hf, requests[b], decoder_inputs_embeds=rows)
+        return cache[key]
+
+    return (lambda b: run(b, [])[0]), (lambda b, seq: run(b, seq)[1][-1])
+
+
+def naive_reference(naive: NaiveOneRec, requests, contexts):
+    cache = {}
+
+    def encode(b):
+        if b not in cache:
+            request = requests[b]
+            is_embeds = torch.is_tensor(request) and request.is_floating_point()
+            cache[b] = naive.encode(sparse_embedding=request) if is_embeds else naive.encode(token_ids=request)
+        return cache[b]
+
+    def logits(b, seq):
+        decoder_input = torch.cat([naive.decoder_prefix(contexts[b]), naive.embed(list(seq))])
+        return naive.decoder_logits(encode(b), decoder_input)[-1]
+
+    return encode, logits
+
+
+def random_requests(seed: int, kind: str, lengths, vocab: int, d_model: int):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "token_ids":
+        return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+    return [2.0 * torch.randn(n, d_model, generator=g) for n in lengths]
+
+
+def random_rounds(seed: int, num_rounds: int, num_batch: int, num_beams: int, vocab: int):
+    """Different tokens per beam, and unsorted, repeated parents."""
+    g = torch.Generator().manual_seed(seed)
+    feeds = torch.randint(0, vocab, (num_rounds, num_batch, num_beams), generator=g)
+    parents = torch.randint(0, num_beams, (num_rounds - 1, num_batch, num_beams), generator=g)
+    if num_beams > 1:
+        parents[0, 0] = torch.arange(num_beams).flip(0)   # reversed
+        parents[0, 0, 0] = parents[0, 0, 1]               # and a repeat
+    return feeds, parents
+
+
+# ---------------------------------------------------------------------------
+# Hugging Face T5
+# ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    """name -> (HF model, saved directory, xrec model loaded from it)."""
+    pytest.importorskip("transformers")
+    from oracles.hf import make_hf_t5
+
+    out = {}
+    for name, kw in {"relative": dict(seed=31), "absolute": dict(seed=32, relative_bias=False),
+                     "untied": dict(seed=33, tie_word_embeddings=False)}.items():
+        hf, directory = make_hf_t5(tmp_path_factory.mktemp(name), **kw)
+        out[name] = (hf, directory, load_model(directory, device="cpu", dtype=torch.float32))
+    return out
+
+
+def test_hf_checkpoint_is_read_as_saved(hf_models):
+    for name, (hf, directory, model) in hf_models.items():
+        cfg = model.config
+        assert cfg.use_absolute_position_embedding == (name == "absolute")
+        assert cfg.tie_word_embeddings == (name != "untied")
+        assert (cfg.d_model, cfg.vocab_size, cfg.num_heads, cfg.head_dim) == (32, 64, 4, 8)
+        assert model.shared.weight.dtype == torch.float32
+        assert torch.equal(model.shared.weight, hf.shared.weight)
+        if name == "untied":
+            assert torch.equal(model.lm_head.weight, hf.lm_head.weight)
+        bias = model.decoder.block[0].layer[0].SelfAttention
+        assert hasattr(bias, "relative_attention_bias") == (name != "absolute")
+
+
+@pytest.mark.parametrize("name", ["relative", "absolute", "untied"])
+@pytest.mark.parametrize("kind", ["token_ids", "inputs_embeds"])
+@pytest.mark.parametrize("length", [1, 40])   # 40 > relative_attention_max_distance=32: log buckets
+def test_single_request_matches_hf(hf_models, name, kind, length):
+    """Encoder output, BOS logits, then 4 rounds of 3 beams with different tokens, reordered
+    between rounds, each round's logits against HF's at that position of the same sequence."""
+    hf, _, model = hf_models[name]
+    requests = random_requests(length, kind, [length], 64, 32)
+    feeds, parents = random_rounds(7, num_rounds=4, num_batch=1, num_beams=3, vocab=64)
+    got = run_xrec(model, requests, [None], feeds, parents)
+    check_rounds(got, *hf_reference(hf, requests, [None]))
+
+
+@pytest.mark.parametrize("name,kind,num_beams", [("relative", "token_ids", 1), ("relative", "inputs_embeds", 3),
+                                                 ("absolute", "token_ids", 2), ("untied", "inputs_embeds", 2)])
+def test_padded_batch_matches_each_request_alone(hf_models, name, kind, num_beams):
+    """Requests of different lengths padded into one batch give what each gives alone (HF, and
+    xrec with a batch of one)."""
+    hf, _, model = hf_models[name]
+    lengths = [7, 40, 1, 19]
+    requests = random_requests(3, kind, lengths, 64, 32)
+    feeds, parents = random_rounds(8, num_rounds=3, num_batch=len(lengths), num_beams=num_beams, vocab=64)
+    got = run_xrec(model, requests, [None] * len(lengths), feeds, parents)
+    check_rounds(got, *hf_reference(hf, requests, [None] * len(lengths)))
+    for b in (0, 1):
+        alone = run_xrec(model, requests[b:b + 1], [None], feeds[:, b:b + 1], parents[:, b:b + 1])
+        _rel_close(got[0][b], alone[0][0], 1e-5)
+        _rel_close(got[1][b], alone[1][0], 1e-5)
+        for (_, batched), (_, single) in zip(got[2], alone[2]):
+            _rel_close(batched[b], single[0], 1e-5)
+
+
+@pytest.mark.parametrize("name", ["relative", "absolute", "untied"])
+@pytest.mark.parametrize("context_lengths", [(1, 4, 24), (5, 5)])   # ragged (24 reaches log buckets), even
+def test_decoder_context_prefix_matches_hf(hf_models, name, context_lengths):
+    """Decoder context rows replace BOS (HF: decoder_inputs_embeds); requests with prefixes of
+    different lengths share one ragged prefix batch; generated tokens follow the rows."""
+    hf, _, model = hf_models[name]
+    g = torch.Generator().manual_seed(sum(context_lengths))
+    num_batch = len(context_lengths)
+    requests = random_requests(4, "token_ids", [9, 30, 2][:num_batch], 64, 32)
+    contexts = [2.0 * torch.randn(n, 32, generator=g) for n in context_lengths]
+    feeds, parents = random_rounds(9, num_rounds=3, num_batch=num_batch, num_beams=2, vocab=64)
+    got = run_xrec(model, requests, contexts, feeds, parents)
+    check_rounds(got, *hf_reference(hf, requests, contexts))
+
+
+def test_mixed_bos_and_context_prefixes(hf_models):
+    """Some requests with context rows, one with BOS, in the same batch."""
+    hf, _, model = hf_models["relative"]
+    g = torch.Generator().manual_seed(5)
+    requests = random_requests(5, "inputs_embeds", [6, 11, 3], 64, 32)
+    contexts = [2.0 * torch.randn(3, 32, generator=g), None, 2.0 * torch.randn(1, 32, generator=g)]
+    feeds, parents = random_rounds(10, num_rounds=3, num_batch=3, num_beams=2, vocab=64)
+    got = run_xrec(model, requests, contexts, feeds, parents)
+    check_rounds(got, *hf_reference(hf, requests, contexts))
+
+
+def test_bfloat16_stays_close_to_hf(hf_models):
+    hf, directory, _ = hf_models["relative"]
+    model = load_model(directory, device="cpu", dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    g = torch.Generator().manual_seed(6)
+    requests = random_requests(6, "token_ids", [12, 25], 64, 32)
+    contexts = [None, 2.0 * torch.randn(3, 32, generator=g)]
+    feeds, parents = random_rounds(11, num_rounds=3, num_batch=2, num_beams=3, vocab=64)
+    got = run_xrec(model, requests, contexts, feeds, parents)
+    assert got[0][0].dtype == torch.bfloat16
+    pairs = check_rounds(got, *hf_reference(hf, requests, contexts), rtol=BF16_RTOL)
+    actual = torch.cat([a.double().flatten() for a, _ in pairs])
+    expected = torch.cat([e.double().flatten() for _, e in pairs])
+    assert float((actual - expected).norm() / expected.norm()) <= BF16_RMS
+
+
+# ---------------------------------------------------------------------------
+# the naive reference: MoE, GQA, decoder heads unlike the encoder's
+# ---------------------------------------------------------------------------
+
+BASE = ModelConfig(d_model=32, d_ff=48, num_encoder_layers=2, num_decoder_layers=2, num_heads=4, head_dim=8,
+                   num_kv_heads=2, decoder_num_heads=4, decoder_head_dim=6, decoder_num_kv_heads=2, vocab_size=64,
+                   relative_attention_num_buckets=16, relative_attention_max_distance=20, torch_dtype="float32")
+NAIVE_CONFIGS = {
+    "moe_shared_experts": BASE.replace(use_moe=True, moe_num_experts=4, moe_topk=2, moe_inter_dim=24,
+                                       moe_route_scale=2.5, moe_use_shared_experts=True, moe_num_shared_experts=2),
+    "moe": BASE.replace(use_moe=True, moe_num_experts=5, moe_topk=2, moe_inter_dim=16, moe_route_scale=0.7,
+                        decoder_num_heads=6, decoder_num_kv_heads=3),
+    "moe_absolute_untied": BASE.replace(use_moe=True, moe_num_experts=3, moe_topk=2, moe_inter_dim=16,
+                                        moe_route_scale=1.5, use_absolute_position_embedding=True,
+                                        tie_word_embeddings=False, decoder_num_kv_heads=1),
+    "dense_gqa": BASE.replace(num_kv_heads=1, decoder_num_heads=2, decoder_head_dim=12, decoder_num_kv_heads=1),
+}
+
+
+@pytest.fixture(scope="module")
+def naive_models(tmp_path_factory):
+    """name -> (xrec model loaded from an xllm-named checkpoint, NaiveOneRec on the same weights)."""
+    out = {}
+    for i, (name, cfg) in enumerate(NAIVE_CONFIGS.items()):
+        sd = random_state_dict(cfg, seed=40 + i)
+        directory = save_checkpoint(tmp_path_factory.mktemp(name), cfg, to_xllm_names(sd))
+        out[name] = (load_model(directory), NaiveOneRec(cfg, sd))
+    return out
+
+
+@pytest.mark.parametrize("name", list(NAIVE_CONFIGS))
+def test_matches_naive_reference(naive_models, name):
+    """A padded batch (one sparse-embedding request, ragged context rows, one BOS request),
+    3 beams, 3 rounds with reorders, against the float64 reference."""
+    model, naive = naive_models[name]
+    g = torch.Generator().manual_seed(12)
+    requests = [torch.randint(0, 64, (9,), generator=g).tolist(), 2.0 * torch.randn(4, 32, generator=g),
+                torch.randint(0, 64, (13,), generator=g).tolist()]
+    contexts = [2.0 * torch.randn(3, 32, generator=g), None, 2.0 * torch.randn(6, 32, generator=g)]
+    feeds, parents = random_rounds(13, num_rounds=3, num_batch=3, num_beams=3, vocab=64)
+    got = run_xrec(model, requests, contexts, feeds, parents)
+    check_rounds(got, *naive_reference(naive, requests, contexts))
+
+
+def test_moe_routing_is_exercised(naive_models):
+    """Guard against a vacuous MoE check: different tokens pick different top-2 experts, and the
+    route scale is not 1 (an implementation ignoring it would fail the naive comparison)."""
+    model, _ = naive_models["moe"]
+    moe = model.decoder.block[0].layer[2].ffn
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    chosen = torch.softmax(moe.gate(x), -1).topk(2, dim=-1).indices
+    assert len({tuple(sorted(row)) for row in chosen.tolist()}) > 2
+    assert moe.route_scale != 1.0
+
+
+# ---------------------------------------------------------------------------
+# checkpoint names, prefixes, shards, round trip
+# ---------------------------------------------------------------------------
+
+NAMING_CONFIGS = {"moe": NAIVE_CONFIGS["moe_shared_experts"], "dense": NAIVE_CONFIGS["dense_gqa"]}
+NAMINGS = {
+    "canonical": lambda sd: dict(sd),
+    "canonical_model_prefix": lambda sd: {"model." + k: v for k, v in sd.items()},
+    "xllm_module3": lambda sd: to_xllm_names(sd, prefix="module.module3.t5_model."),
+    "xllm_model_prefix": lambda sd: to_xllm_names(sd, prefix="model."),
+    "xllm_no_prefix_alt": lambda sd: to_xllm_names(sd, prefix="", ffn_module="DenseReluDense", router="gate",
+                                                   expert_names=False),
+}
+
+
+@torch.no_grad()
+def _outputs(model, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    requests = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (5, 8)]
+    feeds, parents = random_rounds(seed, num_rounds=2, num_batch=2, num_beams=2, vocab=64)
+    outputs, prefix_logits, rounds = run_xrec(model, requests, [None, None], feeds, parents)
+    return [*outputs, prefix_logits, *(logits for _, logits in rounds)]
+
+
+@pytest.mark.parametrize("config_name", list(NAMING_CONFIGS))
+def test_names_prefixes_and_shards_load_the_same(tmp_path, config_name):
+    cfg = NAMING_CONFIGS[config_name]
+    sd = random_state_dict(cfg, seed=50)
+    reference = load_model(save_checkpoint(tmp_path / "ref", cfg, sd))
+    want_state = reference.state_dict()
+    assert set(want_state) == set(sd)
+    for name in sd:
+        assert torch.equal(want_state[name], sd[name]), name
+    want = _outputs(reference)
+    for naming, rename in NAMINGS.items():
+        renamed = rename(sd)
+        if naming != "canonical":
+            assert set(renamed) != set(sd)
+        for shards in (False, True):
+            directory = tmp_path / f"{naming}-{shards}"
+            if shards:
+                save_model(directory, cfg, renamed, max_shard_bytes=20_000)
+                assert len(list(directory.glob("*.safetensors"))) >= 3
+            else:
+                save_checkpoint(directory, cfg, renamed)
+            model = load_model(directory)
+            state = model.state_dict()
+            assert set(state) == set(want_state), naming
+            for key, tensor in want_state.items():
+                assert torch.equal(state[key], tensor), (naming, key)
+            # equal weights; outputs equal up to kernel rounding (memory alignment may differ)
+            for a, b in zip(_outputs(model), want):
+                _rel_close(a, b, 1e-6, naming)
+
+
+def test_save_model_round_trip(tmp_path):
+    cfg = NAIVE_CONFIGS["moe_absolute_untied"].replace(torch_dtype="bfloat16")
+    sd = random_state_dict(cfg, seed=51)
+    save_model(tmp_path, cfg, sd)
+    assert [p.name for p in tmp_path.glob("*.safetensors")] == ["model.safetensors"]
+    assert ModelConfig.from_file(tmp_path / "config.json") == cfg
+    model = load_model(tmp_path)                  # dtype from config.json
+    assert model.config == cfg
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    state = model.state_dict()
+    assert set(state) == set(sd)
+    for name, tensor in sd.items():
+        assert torch.equal(state[name], tensor.to(torch.bfloat16)), name
+    model32 = load_model(tmp_path, dtype=torch.float32)
+    # the file holds the float32 values, not a bfloat16 rounding
+    for name, tensor in sd.items():
+        assert torch.equal(model32.state_dict()[name], tensor), name
+    # a saved model saves again to the same files
+    save_model(tmp_path / "again", model32.config, model32.state_dict(), max_shard_bytes=10_000)
+    again = load_model(tmp_path / "again", dtype=torch.float32)
+    for name, tensor in sd.items():
+        assert torch.equal(again.state_dict()[name], tensor), name
+
+
+def test_tied_aliases_are_accepted(tmp_path):
+    """A tied checkpoint may also carry lm_head.weight and the embed_tokens copies of shared."""
+    cfg = NAIVE_CONFIGS["dense_gqa"]
+    sd = random_state_dict(cfg, seed=52)
+    want = _outputs(load_model(save_checkpoint(tmp_path / "plain", cfg, sd)))
+    extra = dict(sd)
+    extra["lm_head.weight"] = sd["shared.weight"].clone()
+    extra["encoder.embed_tokens.weight"] = sd["shared.weight"].clone()
+    extra["decoder.embed_tokens.weight"] = sd["shared.weight"].clone()
+    model = load_model(save_checkpoint(tmp_path / "extra", cfg, extra))
+    assert not hasattr(model, "lm_head")
+    assert torch.equal(model.shared.weight, sd["shared.weight"])
+    for a, b in zip(_outputs(model), want):
+        _rel_close(a, b, 1e-6)
+
+
+# ---------------------------------------------------------------------------
+# checkpoint errors
+# ---------------------------------------------------------------------------
+
+ERROR_CONFIG = NAIVE_CONFIGS["moe_shared_experts"]
+
+
+def _error(directory) -> str:
+    with pytest.raises(CheckpointError) as info:
+        load_model(directory)
+    assert isinstance(info.value, ValueError)
+    return str(info.value)
+
+
+def test_missing_tensor(tmp_path):
+    sd = random_state_dict(ERROR_CONFIG, seed=60)
+    name = "decoder.block.1.layer.1.EncDecAttention.k.weight"
+    del sd[name]
+    message = _error(save_checkpoint(tmp_path, ERROR_CONFIG, sd))
+    assert "missing" in message and repr(name) in message
+    assert "[12, 32]" in message          # the shape config.json implies (kv heads 2 x head dim 6, d_model)
+
+
+def test_missing_xllm_named_tensor_is_named_canonically(tmp_path):
+    sd = to_xllm_names(random_state_dict(ERROR_CONFIG, seed=60))
+    del sd["module.module3.t5_model.decoder.block.0.layer.2.ffn.experts.3.up_proj.weight"]
+    message = _error(save_checkpoint(tmp_path, ERROR_CONFIG, sd))
+    assert "missing" in message and "'decoder.block.0.layer.2.ffn.experts.3.w3.weight'" in message
+    assert "[24, 32]" in message
+
+
+def test_unexpected_tensor(tmp_path):
+    sd = random_state_dict(ERROR_CONFIG, seed=61)
+    sd["decoder.block.2.layer.0.SelfAttention.q.weight"] = torch.zeros(24, 32)   # a third block
+    message = _error(save_checkpoint(tmp_path, ERROR_CONFIG, sd))
+    assert "unexpected" in message and "'decoder.block.2.layer.0.SelfAttention.q.weight'" in message
+    assert "[24, 32]" in message
+
+
+def test_untied_head_in_tied_config_is_ignored_but_missing_when_untied(tmp_path):
+    cfg = ERROR_CONFIG.replace(tie_word_embeddings=False)
+    sd = random_state_dict(cfg, seed=62)
+    del sd["lm_head.weight"]
+    message = _error(save_checkpoint(tmp_path, cfg, sd))
+    assert "'lm_head.weight'" in message and "[64, 32]" in message
+
+
+@pytest.mark.parametrize("name,bad_shape", [
+    ("encoder.block.0.layer.0.SelfAttention.q.weight", (32, 24)),
+    ("decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", (32, 4)),
+    ("shared.weight", (63, 32)),
+    ("decoder.block.1.layer.2.ffn.shared_experts.w2.weight", (32, 24)),
+])
+def test_mis_shaped_tensor(tmp_path, name, bad_shape):
+    sd = random_state_dict(ERROR_CONFIG, seed=63)
+    want_shape = list(sd[name].shape)
+    sd[name] = torch.zeros(bad_shape)
+    message = _error(save_checkpoint(tmp_path, ERROR_CONFIG, sd))
+    assert repr(name) in message
+    assert str(list(bad_shape)) in message and str(want_shape) in message
+
+
+@pytest.mark.parametrize("second_name", ["shared.weight", "model.shared.weight"])
+def test_same_tensor_in_two_shards(tmp_path, second_name):
+    sd = random_state_dict(ERROR_CONFIG, seed=64)
+    save_checkpoint(tmp_path, ERROR_CONFIG, sd, filename="model-00001-of-00002.safetensors")
+    save_file({second_name: sd["shared.weight"].clone()}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    message = _error(tmp_path)
+    assert "'shared.weight'" in message and "twice" in message
+    assert "model-00001-of-00002.safetensors" in message and "model-00002-of-00002.safetensors" in message
+    assert repr(second_name) in message and "[64, 32]" in message
+
+
+def test_no_safetensors_file(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(ERROR_CONFIG.to_dict()))
+    message = _error(tmp_path)
+    assert "no *.safetensors" in message and str(tmp_path) in message
+    torch.save({"shared.weight": torch.zeros(64, 32)}, tmp_path / "pytorch_model.bin")
+    message = _error(tmp_path)
+    assert "pytorch_model.bin" in message and "pickle" in message and "never loaded" in message
+
+
+def test_dense_ffn_in_moe_config(tmp_path):
+    name = "decoder.block.1.layer.2.DenseReluDense.wi_0.weight"
+    sd = random_state_dict(ERROR_CONFIG, seed=65)
+    sd[name] = random_state_dict(NAIVE_CONFIGS["dense_gqa"], seed=65)[name]
+    message = _error(save_checkpoint(tmp_path, ERROR_CONFIG, sd))
+    assert repr(name) in message and "use_moe" in message
+
+
+def test_moe_checkpoint_for_dense_config(tmp_path):
+    cfg = NAIVE_CONFIGS["dense_gqa"]
+    sd = random_state_dict(ERROR_CONFIG, seed=66)
+    message = _error(save_checkpoint(tmp_path, cfg, sd))
+    assert re.search(r"missing tensors.*'decoder\.block\.0\.layer\.2\.DenseReluDense\.wi_0\.weight' \[48, 32\]",
+                     message)
+    assert re.search(r"unexpected tensors.*'decoder\.block\.0\.layer\.2\.ffn\.experts\.0\.w1\.weight' \[24, 32\]",
+                     message)
+
+
+def test_bad_config_json_is_refused(tmp_path):
+    sd = random_state_dict(ERROR_CONFIG, seed=67)
+    raw = ERROR_CONFIG.to_dict()
+    raw["moe_score_func"] = "sigmoid"
+    save_checkpoint(tmp_path, ERROR_CONFIG, sd, config_dict=raw)
+    with pytest.raises(ValueError, match="moe_score_func.*sigmoid"):
+        load_model(tmp_path)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(ValueError, match="config.json"):
+        load_model(tmp_path)
