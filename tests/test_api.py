@@ -118,6 +118,8 @@ BAD_REQUESTS = [
     ("context-1d", dict(token_ids=[1, 2], decoder_context_embedding=emb(1)[0]), ["decoder_context_embedding"]),
     ("context-empty", dict(token_ids=[1, 2], decoder_context_embedding=np.zeros((0, D_MODEL), np.float32)),
      ["decoder_context_embedding"]),
+    ("context-too-long", dict(token_ids=[1, 2], decoder_context_embedding=emb(MAX_INPUT_LEN + 1)),
+     ["decoder_context_embedding", "max_input_len"]),
     ("id-negative", dict(token_ids=[3, -1, 4]), ["token_ids", "-1"]),
     ("id-vocab", dict(token_ids=[3, VOCAB]), ["token_ids", str(VOCAB)]),
     ("id-huge", dict(token_ids=[10 ** 12]), ["token_ids"]),

@@ -31,7 +31,7 @@ class RecRequest:
     top_k: int | None = None
     num_return_sequences: int | None = None
     normalize: str | None = None
-    temperature: float = 1.0
+    temperature: float | None = 1.0            # None or 0 means 1
     return_items: bool = True
     timeout_ms: float | None = None
     request_id: str | None = None
@@ -134,6 +134,9 @@ def _validate(request: RecRequest, limits: SearchLimits, rid: str) -> ValidReque
         context = _matrix("decoder_context_embedding", request.decoder_context_embedding, limits.d_model)
         if len(context) == 0:
             raise InvalidArgument("decoder_context_embedding: 0 rows; give at least one row or omit it")
+        if len(context) > limits.max_input_len:
+            raise InvalidArgument(f"decoder_context_embedding: {len(context)} rows, more than "
+                                  f"max_input_len={limits.max_input_len}")
     width = _int("beam_width", request.beam_width, limits.default_beam_width, 1, limits.max_beam_width)
     top_k = _int("top_k", request.top_k, width, width, limits.max_top_k)
     num_results = _int("num_return_sequences", request.num_return_sequences, width, width,
@@ -141,7 +144,7 @@ def _validate(request: RecRequest, limits: SearchLimits, rid: str) -> ValidReque
     normalize = request.normalize if request.normalize is not None else limits.default_normalize
     if normalize not in NORMALIZATIONS:
         raise InvalidArgument(f"normalize: got {normalize!r}, allowed: {', '.join(NORMALIZATIONS)}")
-    temperature = request.temperature
+    temperature = 1.0 if request.temperature is None else request.temperature
     if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
         raise InvalidArgument(f"temperature: got {temperature!r}, expected a finite number >= 0")
     timeout = request.timeout_ms
