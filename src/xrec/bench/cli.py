@@ -1,0 +1,170 @@
+"""`xrec bench offline | scaling | breakdown | serve`: argument parsing and dispatch.
+
+Every command runs its contenders side by side in one process, prints a Markdown
+table and writes `<out>/<name>-<timestamp>.json`, `.md` and (where a curve says more)
+`.png`. Heavy imports (torch, transformers, matplotlib) happen inside the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from xrec.bench.models import BENCH_SIZES, QUICK_SIZE
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    if args.quick:
+        apply_quick(args)
+    try:
+        return args.run(args) or 0
+    except (ValueError, OSError) as e:
+        print(f"xrec bench {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected numbers > 0, got {text!r}")
+    return values
+
+
+def _names(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="xrec bench", description="Benchmarks (see bench/README.md).")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--size", choices=sorted(BENCH_SIZES), default="onerec-0.015b")
+        p.add_argument("--model", help="an existing model directory (with a catalog) instead of "
+                       "a random model of --size")
+        p.add_argument("--items", type=int, default=100_000, help="random catalog size")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--out", default="bench-results", help="output directory")
+        p.add_argument("--warmup", type=int, default=1, help="warm-up runs per contender (the last "
+                       "one measures peak memory and gives the results that are compared)")
+        p.add_argument("--repeats", type=int, default=5, help="measured runs per contender")
+        p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+        p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+        p.add_argument("--quick", action="store_true", help=f"tiny sizes ({QUICK_SIZE}, a few "
+                       "requests): a smoke test in seconds")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    def contenders(p: argparse.ArgumentParser, default: str) -> None:
+        p.add_argument("--contenders", type=_names, default=None,
+                       help=f"comma-separated among xrec, xrec-full, hf, naive (default {default})")
+        p.add_argument("--hf-repeats", type=int, default=None,
+                       help="measured runs of the slow contenders hf and naive (default --repeats)")
+
+    offline = sub.add_parser("offline", help="requests/s and latency of a batch vs HF generate")
+    common(offline)
+    contenders(offline, "xrec,xrec-full,hf,naive; xrec,xrec-full,hf for --case")
+    offline.add_argument("--case", choices=("target1", "target2", "targets"),
+                         help="the headline cases of spec/quality.md: target1 W=128 L=256 16 "
+                         "requests, target2 W=512 L=1024 4 requests, targets both")
+    offline.add_argument("--beam-widths", type=_ints, default=[64, 128, 256, 512])
+    offline.add_argument("--lengths", type=_ints, default=[128, 512, 1024])
+    offline.add_argument("--num-requests", type=int, default=8)
+    offline.set_defaults(run=_run("offline"))
+
+    scaling = sub.add_parser("scaling", help="time and peak memory as W, L and batch grow")
+    common(scaling)
+    contenders(scaling, "xrec,xrec-full,hf,naive")
+    scaling.add_argument("--beam-widths", type=_ints, default=[64, 128, 256, 512])
+    scaling.add_argument("--lengths", type=_ints, default=[128, 256, 512, 1024])
+    scaling.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8, 16])
+    scaling.add_argument("--base", type=_ints, default=[128, 256],
+                         help="W,L held fixed while the other variables grow")
+    scaling.set_defaults(run=_run("scaling"), repeats=3)
+
+    breakdown = sub.add_parser("breakdown", help="where a step's time goes (torch.profiler)")
+    common(breakdown)
+    breakdown.add_argument("--beam-width", type=int, default=128)
+    breakdown.add_argument("--length", type=int, default=256)
+    breakdown.add_argument("--num-requests", type=int, default=16)
+    breakdown.set_defaults(run=_run("breakdown"))
+
+    serve = sub.add_parser("serve", help="open-loop HTTP load against `xrec serve`")
+    common(serve)
+    serve.add_argument("--url", help="an already running server (default: start `xrec serve`)")
+    serve.add_argument("--rates", type=_floats, default=[2.0, 5.0, 10.0],
+                       help="Poisson arrival rates, requests/s")
+    serve.add_argument("--duration", type=float, default=20.0, help="seconds of load per rate")
+    serve.add_argument("--beam-width", type=int, default=128)
+    serve.add_argument("--length", type=int, default=256)
+    serve.add_argument("--large", type=_ints, default=[512, 1024],
+                       help="W,L of the large requests in the mixed load")
+    serve.add_argument("--large-fraction", type=float, default=0.2)
+    serve.add_argument("--concurrency", type=_ints, default=[1, 2],
+                       help="server --max-concurrency values to compare")
+    serve.add_argument("--num-requests", type=int, default=16,
+                       help="requests of the server-vs-offline comparison")
+    serve.add_argument("--startup-timeout", type=float, default=120.0)
+    serve.set_defaults(run=_run("serve"), repeats=3)
+    return parser
+
+
+def apply_quick(args: argparse.Namespace) -> None:
+    """Tiny sizes for a smoke test: the tiny model, a small catalog, few short runs."""
+    args.size, args.items, args.warmup = QUICK_SIZE, 2000, 1
+    args.repeats = min(args.repeats, 2)
+    if getattr(args, "hf_repeats", None) is None and hasattr(args, "hf_repeats"):
+        args.hf_repeats = 1
+    if args.command == "offline":
+        args.case, args.beam_widths, args.lengths, args.num_requests = None, [4, 16], [16], 2
+    elif args.command == "scaling":
+        args.beam_widths, args.lengths, args.batch_sizes, args.base = [4, 8], [8, 32], [1, 2], [8, 16]
+    elif args.command == "breakdown":
+        args.beam_width, args.length, args.num_requests = 8, 16, 2
+    elif args.command == "serve":
+        args.rates, args.duration, args.beam_width, args.length = [20.0], 1.0, 8, 16
+        args.large, args.num_requests, args.repeats = [16, 64], 4, 1
+
+
+def _run(command: str):
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+        return importlib.import_module(f"xrec.bench.{command}").run(args)
+    return run
+
+
+def model_dir_of(args: argparse.Namespace):
+    """--model, or the cached random model of --size/--seed/--items."""
+    from pathlib import Path
+
+    from xrec.bench.models import model_dir
+    if args.model:
+        return Path(args.model)
+    return model_dir(args.size, args.seed, args.items)
+
+
+def progress_bar(args: argparse.Namespace, total: int, desc: str):
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit="run", disable=args.no_progress, file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""What every benchmark shares: the environment record, statistics, peak memory, output files."""
+
+from __future__ import annotations
+
+import ctypes
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+MIB = 1 << 20
+
+
+def environment(device: str = "cpu") -> dict[str, Any]:
+    """Where and how a benchmark ran: CPU, cores, versions, threads, git SHA, date, command."""
+    import torch
+
+    env = {
+        "cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
+        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "transformers": _version("transformers"), "device": device,
+        "git_sha": _git("rev-parse", "HEAD") or "unknown",
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "load_avg_1m": _load_avg(),
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return env
+
+
+def _load_avg() -> float | None:
+    """Other processes on the machine skew every number; the 1-minute load says how busy it was."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def _git(*args: str) -> str:
+    """Output of a git command run beside this file; '' outside a checkout."""
+    try:
+        out = subprocess.run(["git", *args], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+# ---- statistics --------------------------------------------------------------------------
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100) of a non-empty sequence."""
+    data = sorted(values)
+    if not data:
+        return float("nan")
+    pos = (len(data) - 1) * q / 100.0
+    low = int(pos)
+    high = min(low + 1, len(data) - 1)
+    return data[low] + (data[high] - data[low]) * (pos - low)
+
+
+def summarize(wall_s: Sequence[float], latencies_s: Sequence[float], num_requests: int) -> dict:
+    """Median batch time, requests/s and per-request latency percentiles (milliseconds)."""
+    median = statistics.median(wall_s)
+    return {"runs": len(wall_s), "wall_ms": [round(w * 1e3, 3) for w in wall_s],
+            "median_ms": median * 1e3, "requests_per_s": num_requests / median,
+            "p50_ms": percentile(latencies_s, 50) * 1e3, "p95_ms": percentile(latencies_s, 95) * 1e3,
+            "p99_ms": percentile(latencies_s, 99) * 1e3}
+
+
+# ---- peak memory --------------------------------------------------------------------------
+
+class PeakMemory:
+    """Peak extra memory of a block: on CPU the process RSS sampled every `interval_s` by a
+    background thread (and the kernel's VmHWM where it can be reset), minus the RSS before;
+    on CUDA `torch.cuda.max_memory_allocated` minus the allocation before.
+
+    >>> with PeakMemory("cpu") as mem: run()
+    >>> mem.peak_bytes
+    """
+
+    def __init__(self, device: str = "cpu", interval_s: float = 0.001):
+        self.device, self.interval_s = device, interval_s
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+
+    def __enter__(self) -> "PeakMemory":
+        import gc
+        gc.collect()
+        if self.device.startswith("cuda"):
+            import torch
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._base = torch.cuda.memory_allocated()
+            return self
+        _trim_heap()
+        self._hwm_reset = _reset_hwm()
+        self._base = self._max = _status_bytes("VmRSS")
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._max = max(self._max, _status_bytes("VmRSS"))
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.device.startswith("cuda"):
+            import torch
+            torch.cuda.synchronize()
+            self.peak_bytes = torch.cuda.max_memory_allocated() - self._base
+            return
+        self._stop.set()
+        self._thread.join()
+        peak = max(self._max, _status_bytes("VmRSS"))
+        if self._hwm_reset:
+            peak = max(peak, _status_bytes("VmHWM"))
+        self.peak_bytes = max(0, peak - self._base)
+
+
+def _status_bytes(key: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _reset_hwm() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS; False where not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _trim_heap() -> None:
+    """Give freed heap pages back to the OS so the baseline is not inflated by a previous run."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+# ---- output -----------------------------------------------------------------------------
+
+def output_paths(out_dir: str | os.PathLike, name: str) -> dict[str, Path]:
+    """`<out>/<name>-<timestamp>.{json,md,png}` (the directory is created)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return {ext: out / f"{name}-{stamp}.{ext}" for ext in ("json", "md", "png")}
+
+
+def write_outputs(paths: dict[str, Path], record: dict, render: Callable[[dict], str]) -> None:
+    """Note the load at the end, write the JSON record and its Markdown `render`ing, print it."""
+    if "environment" in record:
+        record["environment"]["load_avg_1m_end"] = _load_avg()
+    markdown = render(record)
+    paths["json"].write_text(json.dumps(record, indent=2, default=_json_default) + "\n")
+    paths["md"].write_text(markdown + "\n")
+    print(markdown)
+    written = [str(p) for p in paths.values() if p.exists()]
+    print("\nwrote " + ", ".join(written))
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+        return "" if value is None else str(value)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def environment_markdown(env: dict[str, Any]) -> str:
+    sha = env["git_sha"][:12] + (" (dirty)" if env.get("git_dirty") else "")
+    return (f"{env['cpu']}, {env['cores']} cores, torch {env['torch']} "
+            f"({env['torch_threads']} threads), transformers {env.get('transformers')}, "
+            f"python {env['python']}, device {env['device']}, git {sha}, {env['date']}, "
+            f"load average {env.get('load_avg_1m')} at start, {env.get('load_avg_1m_end')} at end")
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (imported only when a plot is written)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt

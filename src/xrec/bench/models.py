@@ -1,0 +1,143 @@
+"""Benchmark models: random model directories (cached), the HF T5 export, the request workload."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from xrec.config import MODEL_SIZES, ModelConfig
+
+# --quick: the "tiny" size with as many kv heads as heads (HF T5 has no GQA).
+QUICK_SIZE = "tiny-mha"
+BENCH_SIZES: dict[str, ModelConfig] = {
+    **MODEL_SIZES,
+    QUICK_SIZE: MODEL_SIZES["tiny"].replace(num_kv_heads=4, decoder_num_kv_heads=4),
+}
+
+
+def model_dir(size: str, seed: int, num_items: int) -> Path:
+    """A random model of a named size with a random catalog, written once under
+    `$XREC_HOME/models/bench-...` (atomically: a temp dir renamed into place)."""
+    from xrec.catalog import random_catalog
+    from xrec.demo import CATALOG_FILE, xrec_home
+    from xrec.model.loader import save_model
+    from xrec.model.random_init import random_state_dict
+
+    if size not in BENCH_SIZES:
+        raise ValueError(f"size: got {size!r}, allowed: {', '.join(BENCH_SIZES)}")
+    if num_items < 1:
+        raise ValueError(f"items: got {num_items}, expected >= 1 (the search is constrained)")
+    target = xrec_home() / "models" / f"bench-{size}-seed{seed}-{num_items}"
+    if (target / "config.json").exists():
+        return target
+    config = BENCH_SIZES[size]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".bench-", dir=target.parent))
+    try:
+        save_model(tmp, config, random_state_dict(config, seed, progress=True))
+        random_catalog(num_items, config.vocab_size, seed).write(tmp / CATALOG_FILE)
+        (tmp / "tokenizer_config.json").write_text(json.dumps({"vocab_file": CATALOG_FILE}) + "\n")
+        try:
+            tmp.rename(target)
+        except OSError:  # another process wrote the same model meanwhile
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# ---- Hugging Face T5 export ---------------------------------------------------------------
+
+# T5 keeps copies of the shared embedding that xrec's canonical state dict does not hold.
+_HF_TIED = {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"}
+
+
+def hf_t5_config(config: ModelConfig):
+    """The `T5Config` of an xrec model; ValueError for what T5 cannot express."""
+    from transformers import T5Config
+
+    problems = []
+    if config.num_kv_heads != config.num_heads or config.decoder_num_kv_heads != config.decoder_num_heads:
+        problems.append("grouped kv heads (T5 needs num_kv_heads == num_heads)")
+    if (config.decoder_num_heads, config.decoder_head_dim) != (config.num_heads, config.head_dim):
+        problems.append("different encoder and decoder heads")
+    if config.use_moe:
+        problems.append("a decoder MoE")
+    if not (config.tie_word_embeddings and config.scale_decoder_outputs):
+        problems.append("an untied or unscaled LM head")
+    if config.use_absolute_position_embedding:
+        problems.append("absolute position mode")
+    if config.attention_scale != 1.0:
+        problems.append("scaled attention scores")
+    if problems:
+        raise ValueError("this model has no Hugging Face T5 equivalent: " + ", ".join(problems))
+    return T5Config(
+        vocab_size=config.vocab_size, d_model=config.d_model, d_kv=config.head_dim,
+        d_ff=config.d_ff, num_layers=config.num_encoder_layers,
+        num_decoder_layers=config.num_decoder_layers, num_heads=config.num_heads,
+        relative_attention_num_buckets=config.relative_attention_num_buckets,
+        relative_attention_max_distance=config.relative_attention_max_distance,
+        feed_forward_proj="gated-silu", dropout_rate=0.0,
+        layer_norm_epsilon=config.layer_norm_epsilon, tie_word_embeddings=True,
+        decoder_start_token_id=config.bos_token_id, pad_token_id=0, eos_token_id=None)
+
+
+def export_hf_t5(model, out_dir: str | Path | None = None):
+    """An eval-mode `T5ForConditionalGeneration` holding the weights of xrec's `OneRecModel`
+    (float32, on the model's device), with EOS off so that no beam ends early.
+    `out_dir`: also `save_pretrained` it there (safetensors)."""
+    import torch
+    from transformers import T5ForConditionalGeneration
+
+    hf = T5ForConditionalGeneration(hf_t5_config(model.config))
+    state = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
+    result = hf.load_state_dict(state, strict=False)
+    missing = set(result.missing_keys) - _HF_TIED
+    if missing or result.unexpected_keys:
+        raise ValueError(f"HF T5 export: missing {sorted(missing)}, "
+                         f"unexpected {sorted(result.unexpected_keys)}")
+    hf.tie_weights()
+    for cfg in (hf.config, hf.generation_config):
+        cfg.eos_token_id = None
+        cfg.bos_token_id = None
+        cfg.pad_token_id = 0
+        cfg.decoder_start_token_id = model.config.bos_token_id
+    hf = hf.to(model.shared.weight.device).eval().requires_grad_(False)
+    if out_dir is not None:
+        hf.save_pretrained(str(out_dir), safe_serialization=True)
+    return hf
+
+
+# ---- workload -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Workload:
+    """One batch of equal-length token-id requests: `token_ids [B, L]` int64, beam width W
+    (N = W results each)."""
+
+    token_ids: np.ndarray
+    beam_width: int
+
+    @property
+    def num_requests(self) -> int:
+        return self.token_ids.shape[0]
+
+    @property
+    def input_len(self) -> int:
+        return self.token_ids.shape[1]
+
+    @property
+    def key(self) -> dict:
+        return {"beam_width": self.beam_width, "input_len": self.input_len,
+                "num_requests": self.num_requests}
+
+
+def make_workload(vocab_size: int, num_requests: int, input_len: int, beam_width: int,
+                  seed: int) -> Workload:
+    rng = np.random.default_rng([seed, num_requests, input_len, beam_width])
+    return Workload(rng.integers(0, vocab_size, size=(num_requests, input_len)), beam_width)

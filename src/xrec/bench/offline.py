@@ -1,0 +1,106 @@
+"""`xrec bench offline`: requests/s and per-request latency of a batch, xrec vs HF generate.
+
+For each grid point (W, L, B) the contenders run side by side, interleaved, on the same
+batch of random token-id requests; the table gives the speed-up over HF generate and
+the top-N overlap of each contender's triples with HF's ("full" must be 1.0).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from xrec.bench.cli import model_dir_of, progress_bar
+from xrec.bench.common import (environment, environment_markdown, markdown_table, output_paths,
+                               pyplot, write_outputs)
+from xrec.bench.models import make_workload
+from xrec.bench.runner import load_contenders, num_runs, run_point
+
+# spec/quality.md, "Targets": (W, L, B) -> the speed-up over HF each xrec mode must reach
+CASES = {
+    "target1": ((128, 256, 16), {"xrec": 50.0, "xrec-full": 12.0}),
+    "target2": ((512, 1024, 4), {"xrec": 100.0, "xrec-full": 50.0}),
+}
+
+
+def points_of(args: argparse.Namespace) -> list[tuple[tuple[int, int, int], dict]]:
+    if args.case:
+        names = ("target1", "target2") if args.case == "targets" else (args.case,)
+        return [CASES[n] for n in names]
+    return [((w, length, args.num_requests), {}) for length in args.lengths for w in args.beam_widths]
+
+
+def run(args: argparse.Namespace) -> int:
+    names = args.contenders or (["xrec", "xrec-full", "hf"] if args.case else
+                                ["xrec", "xrec-full", "hf", "naive"])
+    slow_repeats = args.hf_repeats if args.hf_repeats is not None else args.repeats
+    points = points_of(args)
+    contenders = load_contenders(names, model_dir_of(args), args.device, args.threads)
+    try:
+        env = environment(args.device)
+        bar = progress_bar(args, len(points) * num_runs(contenders, args.warmup, args.repeats,
+                                                       slow_repeats), "offline")
+        results = []
+        for (width, length, num_requests), targets in points:
+            workload = make_workload(contenders.vocab_size, num_requests, length, width, args.seed)
+            rows = run_point(contenders, workload, args.warmup, args.repeats, slow_repeats,
+                             args.device, bar)
+            results.append({**workload.key, "targets": targets, "contenders": rows})
+        bar.close()
+    finally:
+        contenders.close()
+    record = {"benchmark": "offline", "environment": env, "model": contenders.info,
+              "settings": {"size": args.size, "items": args.items, "seed": args.seed,
+                           "warmup": args.warmup, "repeats": args.repeats,
+                           "slow_repeats": slow_repeats, "contenders": names},
+              "points": results}
+    paths = output_paths(args.out, "offline" + (f"-{args.case}" if args.case else ""))
+    plot(results, paths["png"])
+    write_outputs(paths, record, markdown)
+    return 0
+
+
+def markdown(record: dict) -> str:
+    header = ["W", "L", "B", "contender", "req/s", "batch ms", "p50 ms", "p95 ms", "p99 ms",
+              "× HF", "target", "overlap vs HF", "peak MiB"]
+    rows = []
+    for point in record["points"]:
+        for name, r in point["contenders"].items():
+            target = point["targets"].get(name)
+            speedup = r.get("speedup_vs_hf")
+            verdict = None if target is None or speedup is None else \
+                f"≥ {target:g}× {'met' if speedup >= target else 'MISSED'}"
+            ov = r.get("overlap_vs_hf")
+            overlap_text = None if not ov or ov["mean"] is None else \
+                f"{ov['mean']:.1%} (min {ov['min']:.1%})"
+            rows.append([point["beam_width"], point["input_len"], point["num_requests"], name,
+                         r["requests_per_s"], r["median_ms"], r["p50_ms"], r["p95_ms"],
+                         r["p99_ms"], None if speedup is None else f"{speedup:.1f}×", verdict,
+                         overlap_text, r["peak_mib"]])
+    s = record["settings"]
+    return (f"## xrec bench offline ({s['size']}, {s['items']} items, {s['warmup']} warm-up, "
+            f"{s['repeats']} runs, {s['slow_repeats']} of hf/naive; medians)\n\n"
+            + markdown_table(header, rows)
+            + "\n\n× HF: HF's median batch time / the contender's. Overlap: |top-N ∩ HF top-N| / N "
+            "per request. Peak MiB: RSS growth during one run.\n\n"
+            + environment_markdown(record["environment"]))
+
+
+def plot(points: list[dict], path) -> None:
+    plt = pyplot()
+    names = list(dict.fromkeys(n for p in points for n in p["contenders"]))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(points) * len(names) / 2), 4))
+    width = 0.8 / len(names)
+    for j, name in enumerate(names):
+        xs = [i + j * width for i, p in enumerate(points) if name in p["contenders"]]
+        ys = [p["contenders"][name]["requests_per_s"] for p in points if name in p["contenders"]]
+        ax.bar(xs, ys, width, label=name)
+    ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(points))])
+    ax.set_xticklabels([f"W={p['beam_width']}\nL={p['input_len']}\nB={p['num_requests']}"
+                        for p in points], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("requests / s (log)")
+    ax.set_title("xrec bench offline")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,183 @@
+"""`xrec bench`: smoke runs with --quick on the tiny model (outputs written, results
+correct: xrec's "full" mode returns HF generate's triples), and the pieces with
+hand-checked inputs. Timings are never asserted."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+from xrec.bench.cli import main  # noqa: E402
+from xrec.bench.common import markdown_table, percentile, summarize  # noqa: E402
+from xrec.bench.contenders import build_trie, overlap, prefix_allowed_tokens  # noqa: E402
+from xrec.bench.serve import Sent, arrivals, summarize_load  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    """XREC_HOME for the module: the quick model is written there once."""
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("xrec-home")
+        mp.setenv("XREC_HOME", str(path))
+        yield path
+
+
+def _run(name: str, out: Path, *extra: str) -> dict:
+    assert main([name, "--quick", "--out", str(out), "--no-progress", *extra]) == 0
+    files = {p.suffix: p for p in out.iterdir()}
+    assert set(files) == {".json", ".md", ".png"}, files
+    assert files[".png"].stat().st_size > 1000
+    record = json.loads(files[".json"].read_text())
+    env = record["environment"]
+    for key in ("cpu", "cores", "torch", "torch_threads", "python", "git_sha", "date", "command"):
+        assert env[key] not in (None, ""), key
+    assert files[".md"].read_text().startswith(f"## xrec bench {name}")
+    return record
+
+
+def test_offline_quick_full_mode_equals_hf(home, tmp_path):
+    record = _run("offline", tmp_path)
+    assert len(record["points"]) == 2
+    for point in record["points"]:
+        rows = point["contenders"]
+        assert set(rows) == {"xrec", "xrec-full", "hf", "naive"}
+        assert rows["xrec-full"]["overlap_vs_hf"]["mean"] == 1.0
+        assert rows["xrec-full"]["overlap_vs_hf"]["min"] == 1.0
+        assert 0.0 < rows["xrec"]["overlap_vs_hf"]["mean"] <= 1.0
+        assert rows["hf"]["speedup_vs_hf"] == 1.0
+        for row in rows.values():
+            assert row["runs"] >= 1 and row["requests_per_s"] > 0
+            assert row["p50_ms"] <= row["p95_ms"] <= row["p99_ms"]
+            assert row["peak_mib"] is not None and row["peak_mib"] >= 0
+
+
+def test_offline_rejects_unknown_contender(home, tmp_path, capsys):
+    assert main(["offline", "--quick", "--out", str(tmp_path), "--contenders", "xrec,vllm"]) == 1
+    assert "vllm" in capsys.readouterr().err
+
+
+def test_scaling_quick(home, tmp_path):
+    record = _run("scaling", tmp_path, "--contenders", "xrec,hf")
+    axes = {p["axis"] for p in record["points"]}
+    assert axes == {"beam_width", "input_len", "num_requests"}
+    for point in record["points"]:
+        assert set(point["contenders"]) == {"xrec", "hf"}
+        assert point["contenders"]["xrec"]["peak_mib"] is not None
+
+
+def test_breakdown_quick(home, tmp_path):
+    record = _run("breakdown", tmp_path)
+    for mode in ("allowed", "full"):
+        result = record["modes"][mode]
+        parts = result["parts_ms"]
+        for part in ("encoder", "cross K/V", "decoder prefix (round 0)", "decoder, round 1",
+                     "decoder, round 2", "LM head + normalise, round 0", "top-k select",
+                     "beam update"):
+            assert parts.get(part, 0) > 0, (mode, part, parts)
+        assert 0.0 <= result["host_fraction"] < 1.0
+        assert sum(parts.values()) == pytest.approx(result["op_ms"], rel=0.05)
+
+
+class _FakeServer(BaseHTTPRequestHandler):
+    """Answers like `xrec serve` would, at once (the load generator is under test)."""
+
+    def do_GET(self):
+        self._reply(200, {"status": "ok"})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if "token_ids" not in body:
+            self._reply(400, {"error": {"code": "INVALID_ARGUMENT", "message": "no input"}})
+            return
+        self._reply(200, {"id": "x", "results": [{"tokens": [1, 2, 3], "score": -1.0}]})
+
+    def _reply(self, status, payload):
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_serve_client_against_a_fake_server(home, tmp_path):
+    pytest.importorskip("httpx")
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _FakeServer)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        record = _run("serve", tmp_path, "--url", url)
+    finally:
+        httpd.shutdown()
+    (load,) = record["load"]
+    assert load["sent"] > 0 and load["ok"] == load["sent"] and load["errors"] == {}
+    (versus,) = record["server_vs_offline"]
+    assert versus["num_requests"] == 4 and versus["server_vs_offline"] > 0
+
+
+def test_serve_quick_against_xrec_serve(home, tmp_path):
+    import importlib.util
+    if importlib.util.find_spec("xrec.server.run") is None:
+        pytest.skip("xrec.server.run is not there yet")
+    record = _run("serve", tmp_path)
+    assert [v["max_concurrency"] for v in record["server_vs_offline"]] == [1, 2]
+    for load in record["load"]:
+        assert load["errors"] == {} and load["ok"] == load["sent"]
+
+
+# ---- pieces ----------------------------------------------------------------------------------
+
+def test_trie_and_allowed_tokens():
+    import torch
+
+    trie = build_trie(np.array([[3, 1, 2], [3, 1, 0], [0, 5, 5], [3, 1, 2]]))
+    assert trie == {(): [0, 3], (0,): [5], (3,): [1], (0, 5): [5], (3, 1): [0, 2]}
+    allowed = prefix_allowed_tokens(trie, vocab_size=6)
+    assert allowed(0, torch.tensor([0, 3, 1])) == [0, 2]       # decoder start, then the prefix
+    assert allowed(0, torch.tensor([0])) == [0, 3]
+    assert allowed(0, torch.tensor([0, 4])) == list(range(6))   # outside the catalog
+
+
+def test_overlap():
+    a = [[(1, 1, 1), (2, 2, 2)], [(1, 2, 3), (3, 2, 1)]]
+    b = [[(2, 2, 2), (1, 1, 1)], [(1, 2, 3), (9, 9, 9)]]
+    assert overlap(a, b) == {"mean": 0.75, "min": 0.5}
+
+
+def test_statistics():
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert percentile([1.0, 2.0], 100) == 2.0
+    row = summarize([0.2, 0.1, 0.3], [0.1] * 3 + [0.2] * 3, num_requests=4)
+    assert row["median_ms"] == pytest.approx(200.0) and row["requests_per_s"] == pytest.approx(20.0)
+    assert markdown_table(["a", "b"], [[1, 0.12345]]).splitlines()[2] == "| 1 | 0.123 |"
+
+
+def test_poisson_arrivals_and_load_summary():
+    times = arrivals(rate=50.0, duration_s=20.0, seed=1)
+    assert np.all(np.diff(times) > 0) and times[-1] < 20.0
+    assert 800 < len(times) < 1200                      # 1000 expected
+    sent = [Sent("small", 0.0, 0.1, 200), Sent("large", 0.5, 1.5, 200), Sent("small", 1.0, 2.0, 503)]
+    row = summarize_load(sent, offered=2.0)
+    assert row["ok"] == 2 and row["errors"] == {"503": 1}
+    assert row["throughput_per_s"] == pytest.approx(1.0)
+    assert row["small_p50_ms"] == pytest.approx(100.0) and row["large_p99_ms"] == pytest.approx(1000.0)
+
+
+def test_hf_export_refuses_grouped_kv_heads():
+    from xrec.bench.models import hf_t5_config
+    from xrec.config import MODEL_SIZES
+
+    with pytest.raises(ValueError, match="grouped kv heads"):
+        hf_t5_config(MODEL_SIZES["tiny"])
