@@ -101,6 +101,25 @@ class Engine:
     def submit(self, request: RecRequest) -> Future:
         """Validate and queue one request; its future resolves to a `RecResponse` or an
         `XrecError`. Raises `InvalidArgument` at once for a bad request."""
+        scheduled = self._schedule(request)
+        self.scheduler.submit(scheduled)
+        return scheduled.future
+
+    def recommend(self, requests: RecRequest | Sequence[RecRequest]) -> list[RecResponse]:
+        """Run requests to completion; responses in request order. Every request is
+        validated before any is queued, and all are queued at once (so they can share
+        batches); the first failure is raised."""
+        if isinstance(requests, RecRequest):
+            requests = [requests]
+        for index, request in enumerate(requests):
+            if not isinstance(request, RecRequest):
+                raise InvalidArgument(f"requests[{index}]: expected a RecRequest, got "
+                                      f"{type(request).__name__}")
+        scheduled = [self._schedule(request) for request in requests]
+        self.scheduler.submit_many(scheduled)
+        return [s.future.result() for s in scheduled]
+
+    def _schedule(self, request: RecRequest) -> ScheduledRequest:
         if self._closed.is_set():
             raise Unavailable("engine is closed")
         if not isinstance(request, RecRequest):
@@ -108,24 +127,9 @@ class Engine:
         valid = validate(request, self.limits)
         timeout = valid.timeout_ms or self.options.request_timeout_ms
         deadline = None if timeout is None else time.monotonic() + timeout / 1000.0
-        scheduled = ScheduledRequest(valid.request_id, valid.input_len + valid.prefix_len,
-                                     valid.beam_width, valid.num_results, payload=valid,
-                                     deadline=deadline)
-        self.scheduler.submit(scheduled)
-        return scheduled.future
-
-    def recommend(self, requests: RecRequest | Sequence[RecRequest]) -> list[RecResponse]:
-        """Run requests to completion; responses in request order. Every request is
-        validated before any is queued; the first failure is raised."""
-        if isinstance(requests, RecRequest):
-            requests = [requests]
-        for index, request in enumerate(requests):
-            if not isinstance(request, RecRequest):
-                raise InvalidArgument(f"requests[{index}]: expected a RecRequest, got "
-                                      f"{type(request).__name__}")
-            validate(request, self.limits)
-        futures = [self.submit(r) for r in requests]
-        return [f.result() for f in futures]
+        return ScheduledRequest(valid.request_id, valid.input_len + valid.prefix_len,
+                                valid.beam_width, valid.num_results, payload=valid,
+                                deadline=deadline)
 
     async def recommend_async(self, request: RecRequest) -> RecResponse:
         """Await one request; cancelling the awaiting task cancels a still-waiting request."""

@@ -80,23 +80,38 @@ class FixedStepsScheduler:
 
     def submit(self, request: ScheduledRequest) -> None:
         """Queue a request, or fail its future with the refusal and raise that error too."""
+        error = self.submit_many([request])[0]
+        if error is not None:
+            raise error
+
+    def submit_many(self, requests: Sequence[ScheduledRequest]) -> list[XrecError | None]:
+        """Queue several requests at once (one wake-up, so they can share a batch).
+
+        Returns, per request, None (queued) or the refusal its future was failed with.
+        """
         with self._cond:
-            self._check_not_submitted(request)
-            error: XrecError | None = (
-                Unavailable("server is shutting down") if self._is_closing else None)
-        if error is None:
-            try:
-                reason = self._limits.why_too_big(request, self._workspace_bytes([request]))
-                error = ResourceExhausted(reason) if reason else None
-            except Exception as exc:  # an estimator bug fails this request only
-                error = Internal(f"workspace estimate failed: {exc!r}")
-        if error is None:
-            with self._cond:
+            for request in requests:
+                self._check_not_submitted(request)
+            is_closing = self._is_closing
+        errors: list[XrecError | None] = []
+        for request in requests:
+            error: XrecError | None = Unavailable("server is shutting down") if is_closing else None
+            if error is None:
+                try:
+                    reason = self._limits.why_too_big(request, self._workspace_bytes([request]))
+                    error = ResourceExhausted(reason) if reason else None
+                except Exception as exc:  # an estimator bug fails this request only
+                    error = Internal(f"workspace estimate failed: {exc!r}")
+            errors.append(error)
+        with self._cond:
+            for index, request in enumerate(requests):
+                if errors[index] is not None:
+                    continue
                 self._check_not_submitted(request)
                 if self._is_closing:
-                    error = Unavailable("server is shutting down")
+                    errors[index] = Unavailable("server is shutting down")
                 elif self._num_pending >= self._limits.request_queue_size:
-                    error = ResourceExhausted(
+                    errors[index] = ResourceExhausted(
                         f"request queue is full with {self._num_pending} requests; "
                         f"request_queue_size={self._limits.request_queue_size}")
                 else:
@@ -104,12 +119,13 @@ class FixedStepsScheduler:
                     request.enqueued_at = self._clock()
                     self._incoming.append(request)
                     self._num_pending += 1
-                    self._notify_loop()
+            self._notify_loop()
+        for request, error in zip(requests, errors):
             if error is None:  # runs at once if it was cancelled meanwhile
                 request.future.add_done_callback(self._on_future_done)
-                return
-        request.fail(error)
-        raise error
+            else:
+                request.fail(error)
+        return errors
 
     def batch_done(self) -> None:
         """The executor finished one launched batch (any outcome); frees its slot."""

@@ -1,0 +1,310 @@
+"""HTTP routes: native and xllm-compatible completions, models, health, metrics.
+
+`create_app(engine, ...)` builds a transport-free FastAPI app (uvicorn serves
+it in `xrec.server.run`; tests may also drive it through
+`httpx.ASGITransport`). Routes:
+
+    POST /v1/rec/completions   native JSON (schemas.NativeRequest)
+    POST /v1/completions       xllm-compatible (schemas.XllmRequest)
+    GET  /v1/models            OpenAI list shape; GET /v1/models/{name}
+    GET  /health               200 serving; 503 loading or draining
+    GET  /metrics              Prometheus text
+
+Decisions where `spec/serving.md` is silent:
+
+- Auth: with an API key, every route except `/health` needs
+  `Authorization: Bearer KEY` (probes carry no secrets and health reveals
+  nothing); `/metrics` is protected too. Auth is checked before routing, so
+  an unknown path without a key is 401, with a key 404. Keys are compared in
+  constant time.
+- Every error is `{"error": {"code", "message", "request_id"}}`, also 404 for
+  unknown paths and 405 (code INVALID_ARGUMENT) for a wrong method. 429 and
+  503 carry `Retry-After: 1`.
+- The body limit is checked on `Content-Length` before reading, and on the
+  bytes actually read (chunked bodies) before parsing: 413.
+- `request_id`: the client's, else a fresh uuid4 hex (also for errors found
+  before the body is parsed); it is the response's `id`, the `X-Request-Id`
+  header and the error body's `request_id`.
+- A native request may name `model` too (same check as xllm's: another name
+  is 404 NOT_FOUND; none goes to the served model).
+- Bodies over 1 MiB are parsed and submitted on a worker thread, so a large
+  embedding does not stall the event loop.
+- The client going away while its request waits or runs cancels it (a
+  waiting request is dropped by the scheduler; a running batch finishes and
+  the answer is dropped); it is counted as CANCELLED and answered 499 (which
+  nobody reads). A client that goes away while sending its body: the same.
+- The interactive docs (/docs, /openapi.json) are off: bodies are parsed by
+  hand for exact error statuses, so FastAPI's schema would be empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from concurrent.futures import Future
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from xrec.errors import (Cancelled, Internal, InvalidArgument, NotFound, PayloadTooLarge,
+                         Unauthenticated, Unavailable, XrecError)
+from xrec.server import schemas
+from xrec.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 64 << 20
+THREAD_PARSE_BYTES = 1 << 20
+COMPLETION_PATHS = {"/v1/rec/completions": "native", "/v1/completions": "xllm"}
+
+
+class XrecService:
+    """What the routes share: the engine (None while loading), name, auth, limits, metrics."""
+
+    def __init__(self, engine: Any, served_model_name: str | None, api_key: str | None,
+                 max_body_bytes: int):
+        if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes: got {max_body_bytes!r}, expected an integer >= 1")
+        if engine is None and not served_model_name:
+            raise ValueError("served_model_name is required when the engine is not loaded yet")
+        self.engine: Any = None
+        self.model_name = served_model_name or engine.model_name
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+        self.metrics = ServerMetrics()
+        self.is_draining = False
+        self.num_in_flight = 0      # HTTP requests inside the app (event-loop thread only)
+        self.created = int(time.time())
+        if engine is not None:
+            self.attach(engine)
+
+    def attach(self, engine: Any) -> None:
+        """The engine is loaded: start serving it."""
+        self.metrics.attach(engine)
+        self.engine = engine
+
+    def begin_drain(self) -> None:
+        """Health turns 503 and new requests are refused UNAVAILABLE (queued ones finish)."""
+        self.is_draining = True
+
+    # ---- completions -----------------------------------------------------
+
+    async def complete(self, request: Request, api: str) -> Response:
+        started, request_id, code = time.perf_counter(), None, "INTERNAL"
+        try:
+            engine = self._engine_or_503()
+            body = await read_body(request, self.max_body_bytes)
+            if len(body) > THREAD_PARSE_BYTES:
+                parsed, request_id, future, input_len = await asyncio.to_thread(
+                    self._accept, engine, body, api)
+            else:
+                parsed, request_id, future, input_len = self._accept(engine, body, api)
+            self.metrics.on_accepted(input_len)
+            result = await _await_answer(future, request)
+            if api == "native":
+                payload = schemas.native_response(result, self.model_name)
+            else:
+                items_on = engine.catalog is not None and parsed.return_items
+                payload = schemas.xllm_response(result, self.model_name, engine.options.rounds,
+                                                items_on)
+            response = Response(_dumps(payload), media_type="application/json",
+                                headers={"X-Request-Id": request_id})
+            code = "OK"
+            return response
+        except XrecError as e:
+            code = e.code
+            if e.code == "INTERNAL":
+                logger.error("request %s failed: %s", request_id or e.request_id, e.message)
+            return error_response(e, request_id)
+        except Exception as e:  # a server bug: answer it, keep serving
+            logger.exception("request %s failed", request_id)
+            return error_response(Internal(f"{type(e).__name__}: {e}"), request_id)
+        finally:
+            self.metrics.on_finished(api, code, time.perf_counter() - started)
+
+    def _engine_or_503(self) -> Any:
+        if self.is_draining:
+            raise Unavailable("server is draining (shutting down); retry on another replica")
+        if self.engine is None:
+            raise Unavailable("model is loading; retry shortly")
+        return self.engine
+
+    def _accept(self, engine: Any, body: bytes, api: str) -> tuple[Any, str, Future, int]:
+        """Parse, check and submit: (parsed body, request id, the engine's future, input length)."""
+        schema = schemas.NativeRequest if api == "native" else schemas.XllmRequest
+        parsed = schemas.parse_body(body, schema)
+        request_id = parsed.request_id if parsed.request_id is not None else uuid.uuid4().hex
+        try:
+            self._check_model(parsed.model)
+            convert = schemas.native_request if api == "native" else schemas.xllm_request
+            rec = convert(parsed, request_id)
+            future = engine.submit(rec)
+        except XrecError as e:
+            e.request_id = e.request_id or request_id
+            raise
+        length = len(rec.token_ids) if rec.token_ids is not None else len(rec.sparse_embedding)
+        return parsed, request_id, future, length
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise NotFound(f"model: got {name!r}, this server serves {self.model_name!r}")
+
+
+async def _await_answer(future: Future, request: Request) -> Any:
+    """The engine's answer; cancel the request if the client goes away first."""
+    waiter = asyncio.wrap_future(future)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server is stopping this handler
+        future.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if waiter not in done:
+        future.cancel()  # still waiting: the scheduler drops it; running: the answer is dropped
+        waiter.cancel()
+        raise Cancelled("client disconnected before the answer")
+    if waiter.cancelled():
+        raise Cancelled("request was cancelled")
+    return waiter.result()  # raises the engine's XrecError
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 past `limit` bytes (declared or actually sent)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise InvalidArgument(f"Content-Length: got {declared!r}, "
+                                  "expected an integer") from None
+        if size > limit:
+            raise PayloadTooLarge(f"body of {size} bytes is over the limit of {limit} bytes")
+    chunks, total = [], 0
+    try:
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limit:
+                raise PayloadTooLarge(f"body is over the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise Cancelled("client disconnected while sending the body") from None
+    return b"".join(chunks)
+
+
+def _dumps(payload: Any) -> bytes:
+    try:
+        return json.dumps(payload, separators=(",", ":"), allow_nan=False).encode()
+    except ValueError as e:
+        raise Internal(f"result holds a non-finite number ({e})") from None
+
+
+def error_response(error: XrecError, request_id: str | None = None) -> Response:
+    rid = request_id or error.request_id or uuid.uuid4().hex
+    body = {"error": {"code": error.code, "message": error.message, "request_id": rid}}
+    headers = {"X-Request-Id": rid}
+    if error.http_status in (429, 503):
+        headers["Retry-After"] = "1"
+    if isinstance(error, Unauthenticated):
+        headers["WWW-Authenticate"] = "Bearer"
+    return Response(json.dumps(body).encode(), status_code=error.http_status,
+                    media_type="application/json", headers=headers)
+
+
+class _Gate:
+    """ASGI middleware: counts requests in flight (for the drain) and checks the API key."""
+
+    def __init__(self, app: Any, service: XrecService):
+        self.app, self.service = app, service
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        service = self.service
+        service.num_in_flight += 1
+        try:
+            key = service.api_key
+            if key is not None and scope["path"] != "/health" and not _is_authorized(scope, key):
+                api = COMPLETION_PATHS.get(scope["path"])
+                if api is not None:
+                    service.metrics.on_finished(api, Unauthenticated.code)
+                error = Unauthenticated("missing or wrong API key; send Authorization: Bearer KEY")
+                return await error_response(error)(scope, receive, send)
+            await self.app(scope, receive, send)
+        finally:
+            service.num_in_flight -= 1
+
+
+def _is_authorized(scope: dict, key: bytes) -> bool:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
+    return False
+
+
+def create_app(engine: Any, *, served_model_name: str | None = None, api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The HTTP app for `engine` (None: loading until `app.state.xrec.attach(engine)`)."""
+    service = XrecService(engine, served_model_name, api_key, max_body_bytes)
+    app = FastAPI(title="xrec", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.xrec = service
+
+    @app.post("/v1/rec/completions")
+    async def rec_completions(request: Request) -> Response:
+        return await service.complete(request, "native")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await service.complete(request, "xllm")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [_model_card(service)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> Any:
+        if name != service.model_name:
+            return error_response(NotFound(f"model: got {name!r}, this server serves "
+                                           f"{service.model_name!r}"))
+        return _model_card(service)
+
+    @app.get("/health")
+    async def health() -> Any:
+        if service.is_draining or service.engine is None:
+            state = "draining" if service.is_draining else "loading"
+            return error_response(Unavailable(f"server is {state}"))
+        return {"status": "ok", "model": service.model_name}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(service.metrics.render(), media_type=service.metrics.content_type)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404:
+            return error_response(NotFound(f"no route {request.method} {request.url.path}"))
+        error = InvalidArgument(f"{request.method} {request.url.path}: {exc.detail}")
+        error.http_status = exc.status_code
+        return error_response(error)
+
+    app.add_middleware(_Gate, service=service)
+    return app
+
+
+def _model_card(service: XrecService) -> dict:
+    return {"id": service.model_name, "object": "model", "created": service.created,
+            "owned_by": "xrec"}

@@ -1,0 +1,318 @@
+"""Request parsing and response building for the two HTTP shapes: native and xllm-compatible.
+
+Parsing is two-stage. The body is parsed and type-checked by pydantic in
+strict mode (`parse_body`): malformed JSON is INVALID_ARGUMENT with HTTP 400,
+a schema error (wrong JSON type, unknown or missing field) is
+INVALID_ARGUMENT with HTTP 422. The request is then turned into a
+`RecRequest` (`native_request`, `xllm_request`): embedding shapes, base64 and
+content sizes are checked here (400); everything else (both / neither input,
+ids out of vocab, NaN / Inf, W / K / N ranges, `normalize`) is checked by the
+engine's own `validate` (400).
+
+Decisions where `spec/serving.md` is silent:
+
+- Unknown fields are refused (422): on the native route any name not listed
+  below; on the xllm route any name that is not a field of xllm's
+  `CompletionRequest` proto or one of the xrec extensions
+  (`num_return_sequences`, `normalize`, `return_items`, `timeout_ms`). Proto
+  fields that mean nothing here (`temperature`, `top_p`, `n`, `echo`, ...)
+  are accepted and ignored; `stream: true` and a non-empty `prompt` are 400.
+- A JSON number must be a number: `"NaN"` (a string) is a schema error (422);
+  the non-standard literals `NaN` / `Infinity` and overflowing numbers such as
+  `1e999` parse and are refused by the engine (400).
+- Native embeddings: `{"shape": [L, D], "data": [L*D floats, row-major]}` or
+  `{"shape": [L, D], "b64": base64 of L*D little-endian float32}`; exactly one
+  of `data` / `b64`.
+- xllm `input_tensors`: `data_type` is `"FLOAT"` (or its enum number 1), the
+  values are in `contents.fp32_contents` (row-major), names are
+  `sparse_embedding` / `decoder_context_embedding`, each at most once.
+  `routing` (`prefill_name`, `decode_name`) is accepted and ignored:
+  `token_ids` are used with or without it (xllm uses them only with it).
+  `top_k` <= 0 means "the default" (xllm's -1 = no cutoff).
+- xllm response: `choices[i].text` is the semantic ID as decimal token ids
+  joined by spaces (`"12 7 99"`); `logprobs` (`tokens`, `token_ids`,
+  `token_logprobs`) is always filled, whatever the request's `logprobs`
+  says, as xllm's rec path does with `enable_rec_score_output`.
+  `usage.completion_tokens` = N * R. Output tensors use xllm's JSON names
+  (`name`, `datatype`, `shape`, `contents.{int64,int,fp32}_contents`).
+  With items on (the engine has a catalog and `return_items` is true),
+  `rec_result` is INT64 `[N]`: the first item of each result (xllm's default
+  single-item mode), -1 for a result with no item, so that `rec_result[i]`,
+  `sku_logprobs[i]` and `choices[i]` describe the same result. Items off:
+  INT32 `[N, R]` tokens. `sku_logprobs` is FLOAT `[N, R]`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import time
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from xrec.api_types import RecRequest, RecResponse
+from xrec.errors import InvalidArgument
+
+EMBEDDING_NAMES = ("sparse_embedding", "decoder_context_embedding")
+_STRICT = ConfigDict(strict=True, extra="forbid")
+
+
+class SchemaError(InvalidArgument):
+    """A body that is JSON but not of the request's shape: HTTP 422."""
+
+    http_status = 422
+
+
+class Matrix(BaseModel):
+    model_config = _STRICT
+    shape: list[int]
+    data: list[float] | None = None
+    b64: str | None = None
+
+
+class NativeRequest(BaseModel):
+    model_config = _STRICT
+    model: str | None = None
+    token_ids: list[int] | None = None
+    sparse_embedding: Matrix | None = None
+    decoder_context_embedding: Matrix | None = None
+    beam_width: int | None = None
+    top_k: int | None = None
+    num_return_sequences: int | None = None
+    normalize: str | None = None
+    temperature: float | None = None
+    return_items: bool = True
+    timeout_ms: float | None = None
+    seed: int | None = None
+    request_id: str | None = None
+
+
+class TensorContents(BaseModel):
+    """xllm's `InferTensorContents`; only `fp32_contents` is used (FLOAT tensors)."""
+
+    model_config = _STRICT
+    fp32_contents: list[float] | None = None
+    bool_contents: list[Any] | None = None
+    int_contents: list[Any] | None = None
+    int64_contents: list[Any] | None = None
+    uint_contents: list[Any] | None = None
+    uint64_contents: list[Any] | None = None
+    fp64_contents: list[Any] | None = None
+    bytes_contents: list[Any] | None = None
+
+
+class InputTensor(BaseModel):
+    model_config = _STRICT
+    name: str
+    data_type: str | int
+    shape: list[int]
+    contents: TensorContents
+
+
+class Routing(BaseModel):
+    model_config = _STRICT
+    prefill_name: str = ""
+    decode_name: str = ""
+
+
+class XllmRequest(BaseModel):
+    """xllm's `CompletionRequest` (completion.proto) as JSON, plus xrec extensions."""
+
+    model_config = _STRICT
+    model: str | None = None
+    prompt: str | None = None
+    token_ids: list[int] | None = None
+    routing: Routing | None = None
+    input_tensors: list[InputTensor] | None = None
+    beam_width: int | None = None
+    top_k: int | None = None
+    logprobs: bool | int | None = None
+    max_tokens: int | None = None
+    request_id: str | None = None
+    service_request_id: str | None = None
+    stream: bool | None = None
+    # xrec extensions
+    num_return_sequences: int | None = None
+    normalize: str | None = None
+    return_items: bool = True
+    timeout_ms: float | None = None
+    # proto fields accepted and ignored (OpenAI sampling knobs, serving hints)
+    best_of: Any = None
+    temperature: Any = None
+    top_p: Any = None
+    n: Any = None
+    echo: Any = None
+    stop: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    skip_special_tokens: Any = None
+    ignore_eos: Any = None
+    user: Any = None
+    stop_token_ids: Any = None
+    repetition_penalty: Any = None
+    stream_options: Any = None
+    offline: Any = None
+    slo_ms: Any = None
+    priority: Any = None
+
+
+def parse_body(body: bytes, schema: type[BaseModel]) -> Any:
+    """JSON bytes -> `schema`; InvalidArgument (400) for bad JSON, SchemaError (422) otherwise."""
+    try:
+        return schema.model_validate_json(body)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        if any(err["type"] == "json_invalid" for err in errors):
+            raise InvalidArgument(f"malformed JSON body: {errors[0]['msg']}") from None
+        raise SchemaError(_describe(errors)) from None
+
+
+def _describe(errors: list[dict]) -> str:
+    parts = []
+    for err in errors[:3]:
+        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
+        where = loc or "body"
+        if err["type"] == "extra_forbidden":
+            parts.append(f"{where}: unknown field")
+        else:
+            got = repr(err.get("input"))
+            parts.append(f"{where}: {err['msg']} (got {got[:60]}{'...' if len(got) > 60 else ''})")
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return "; ".join(parts) + more
+
+
+# ---- requests ----------------------------------------------------------------
+
+def native_request(req: NativeRequest, request_id: str) -> RecRequest:
+    return RecRequest(
+        token_ids=req.token_ids,
+        sparse_embedding=_matrix("sparse_embedding", req.sparse_embedding),
+        decoder_context_embedding=_matrix("decoder_context_embedding",
+                                          req.decoder_context_embedding),
+        beam_width=req.beam_width, top_k=req.top_k, num_return_sequences=req.num_return_sequences,
+        normalize=req.normalize, temperature=1.0 if req.temperature is None else req.temperature,
+        return_items=req.return_items, timeout_ms=req.timeout_ms, request_id=request_id,
+        seed=req.seed)
+
+
+def xllm_request(req: XllmRequest, request_id: str) -> RecRequest:
+    if req.stream:
+        raise InvalidArgument("stream: got true; streaming is not supported (a result is "
+                              "one short semantic ID)")
+    if req.prompt:
+        raise InvalidArgument("prompt: text prompts are not supported; give token_ids or an "
+                              "input_tensors entry named sparse_embedding")
+    if req.max_tokens is not None and req.max_tokens < 0:
+        raise InvalidArgument(f"max_tokens: got {req.max_tokens}, expected >= 0 (it is ignored)")
+    if isinstance(req.logprobs, int) and not isinstance(req.logprobs, bool) and req.logprobs < 0:
+        raise InvalidArgument(f"logprobs: got {req.logprobs}, expected >= 0 or a boolean")
+    tensors: dict[str, np.ndarray] = {}
+    for index, tensor in enumerate(req.input_tensors or []):
+        where = f"input_tensors[{index}]"
+        if tensor.name not in EMBEDDING_NAMES:
+            raise InvalidArgument(f"{where}.name: got {tensor.name!r}, allowed: "
+                                  f"{', '.join(EMBEDDING_NAMES)}")
+        if tensor.name in tensors:
+            raise InvalidArgument(f"{where}.name: {tensor.name!r} given twice")
+        if tensor.data_type not in ("FLOAT", 1):
+            raise InvalidArgument(f"{where}.data_type: got {tensor.data_type!r}, "
+                                  "allowed: \"FLOAT\"")
+        contents = tensor.contents
+        others = [name for name, value in contents if name != "fp32_contents" and value]
+        if others:
+            raise InvalidArgument(f"{where}.contents: got {others[0]} for a FLOAT tensor; "
+                                  "use fp32_contents")
+        if contents.fp32_contents is None:
+            raise InvalidArgument(f"{where}.contents.fp32_contents: missing")
+        tensors[tensor.name] = _from_floats(where, tensor.shape, contents.fp32_contents,
+                                            "contents.fp32_contents")
+    top_k = req.top_k if req.top_k is not None and req.top_k > 0 else None
+    return RecRequest(
+        token_ids=req.token_ids, sparse_embedding=tensors.get("sparse_embedding"),
+        decoder_context_embedding=tensors.get("decoder_context_embedding"),
+        beam_width=req.beam_width, top_k=top_k, num_return_sequences=req.num_return_sequences,
+        normalize=req.normalize, return_items=req.return_items, timeout_ms=req.timeout_ms,
+        request_id=request_id)
+
+
+def _matrix(name: str, matrix: Matrix | None) -> np.ndarray | None:
+    if matrix is None:
+        return None
+    if (matrix.data is None) == (matrix.b64 is None):
+        raise InvalidArgument(f"{name}: give exactly one of data / b64, got "
+                              + ("both" if matrix.data is not None else "neither"))
+    if matrix.data is not None:
+        return _from_floats(name, matrix.shape, matrix.data, "data")
+    rows, cols = _shape(name, matrix.shape)
+    try:
+        raw = base64.b64decode(matrix.b64, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise InvalidArgument(f"{name}.b64: not valid base64 ({e})") from None
+    expected = rows * cols * 4
+    if len(raw) != expected:
+        raise InvalidArgument(f"{name}.b64: decodes to {len(raw)} bytes, shape {[rows, cols]} "
+                              f"needs {expected} (little-endian float32)")
+    return np.frombuffer(raw, dtype="<f4").astype(np.float32).reshape(rows, cols)  # [L, D]
+
+
+def _from_floats(name: str, shape: list[int], values: list[float], field: str) -> np.ndarray:
+    rows, cols = _shape(name, shape)
+    if len(values) != rows * cols:
+        raise InvalidArgument(f"{name}.{field}: got {len(values)} values, shape {[rows, cols]} "
+                              f"needs {rows * cols}")
+    with np.errstate(over="ignore"):  # float32 overflow becomes inf; the engine refuses it
+        return np.asarray(values, dtype=np.float32).reshape(rows, cols)  # [L, D]
+
+
+def _shape(name: str, shape: list[int]) -> tuple[int, int]:
+    if len(shape) != 2 or min(shape) < 0:
+        raise InvalidArgument(f"{name}.shape: got {shape}, expected [length, d_model] "
+                              "(two non-negative integers)")
+    return shape[0], shape[1]
+
+
+# ---- responses ---------------------------------------------------------------
+
+def native_response(response: RecResponse, model: str) -> dict:
+    return {
+        "id": response.request_id, "model": model,
+        "results": [{"tokens": list(r.tokens), "score": r.score,
+                     "token_logprobs": list(r.token_logprobs),
+                     "items": [{"item_id": i.item_id, "did": i.did, "type": i.type}
+                               for i in r.items]}
+                    for r in response.results],
+        "usage": dict(response.usage), "timing": dict(response.timing)}
+
+
+def xllm_response(response: RecResponse, model: str, rounds: int, is_items_on: bool) -> dict:
+    results = response.results
+    choices, item_ids, tokens, logprobs = [], [], [], []
+    for index, r in enumerate(results):
+        ids, lps = list(r.tokens), list(r.token_logprobs)
+        choices.append({"index": index, "text": " ".join(map(str, ids)),
+                        "logprobs": {"tokens": [str(t) for t in ids], "token_ids": ids,
+                                     "token_logprobs": lps},
+                        "finish_reason": "stop"})
+        item_ids.append(r.items[0].item_id if r.items else -1)
+        tokens.extend(ids)
+        logprobs.extend(lps)
+    num = len(results)
+    if is_items_on:
+        rec_result = _tensor("rec_result", "INT64", [num], "int64_contents", item_ids)
+    else:
+        rec_result = _tensor("rec_result", "INT32", [num, rounds], "int_contents", tokens)
+    prompt_tokens = int(response.usage.get("input_tokens", 0))
+    return {
+        "id": response.request_id, "object": "text_completion", "created": int(time.time()),
+        "model": model, "choices": choices,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": num * rounds,
+                  "total_tokens": prompt_tokens + num * rounds},
+        "output_tensors": [
+            rec_result, _tensor("sku_logprobs", "FLOAT", [num, rounds], "fp32_contents", logprobs)]}
+
+
+def _tensor(name: str, datatype: Literal["INT64", "INT32", "FLOAT"], shape: list[int],
+            field: str, values: list) -> dict:
+    return {"name": name, "datatype": datatype, "shape": shape, "contents": {field: values}}
