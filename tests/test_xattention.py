@@ -13,7 +13,6 @@ The references are float64 loops over heads, written here independently of xrec.
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

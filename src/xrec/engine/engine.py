@@ -70,7 +70,8 @@ class Engine:
             launch=self._launch, workspace_bytes=self._batch_bytes)
         self.executor = Executor(self.step, catalog, num_pipelines, options.each_conversion_threshold,
                                  options.total_conversion_threshold, threads,
-                                 on_batch_done=self.scheduler.batch_done, on_report=self._on_report)
+                                 on_batch_done=self.scheduler.batch_done, on_report=self._on_report,
+                                 batch_bytes=self._batch_bytes)
         self.num_pipelines = num_pipelines
         self._closed = threading.Event()
         self.scheduler.start()

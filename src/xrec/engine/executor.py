@@ -51,14 +51,17 @@ class Executor:
     def __init__(self, step: RecStep, catalog: ItemCatalog | None, num_pipelines: int,
                  each_threshold: int, total_threshold: int, threads_per_pipeline: int | None,
                  on_batch_done: Callable[[], None], on_report: Callable[[BatchReport], None],
+                 batch_bytes: Callable[[list[ScheduledRequest]], int],
                  clock: Callable[[], float] = time.monotonic):
         self.step, self.catalog = step, catalog
         self.each_threshold, self.total_threshold = each_threshold, total_threshold
         self.on_batch_done, self.on_report, self.clock = on_batch_done, on_report, clock
         self.threads_per_pipeline = threads_per_pipeline
+        self.batch_bytes = batch_bytes
         self.fault: Callable[[list[ScheduledRequest]], None] | None = None
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._busy = 0
+        self._bytes_in_use = 0
         self._busy_lock = threading.Lock()
         device = step.device
         self._pipelines = [threading.Thread(target=self._serve, args=(index, device),
@@ -70,6 +73,11 @@ class Executor:
     @property
     def num_busy(self) -> int:
         return self._busy
+
+    @property
+    def workspace_bytes_in_use(self) -> int:
+        """The workspace estimate of the batches running now (the scheduler's admission figure)."""
+        return self._bytes_in_use
 
     def launch(self, batch: list[ScheduledRequest]) -> None:
         """Hand a batch to a free pipeline (the scheduler bounds batches in flight)."""
@@ -91,13 +99,16 @@ class Executor:
             batch = self._work.get()
             if batch is None:
                 return
+            num_bytes = self.batch_bytes(batch)
             with self._busy_lock:
                 self._busy += 1
+                self._bytes_in_use += num_bytes
             try:
                 self._run(batch, stream)
             finally:
                 with self._busy_lock:
                     self._busy -= 1
+                    self._bytes_in_use -= num_bytes
                 self.on_batch_done()
 
     def _run(self, batch: list[ScheduledRequest], stream: torch.cuda.Stream | None) -> None:

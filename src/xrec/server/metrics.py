@@ -67,9 +67,8 @@ class ServerMetrics:
             "xrec_pipelines": ("Pipelines", lambda e: e.num_pipelines),
             "xrec_workspace_bytes_total": ("Workspace budget of all pipelines",
                                            lambda e: e.workspace_per_pipeline * e.num_pipelines),
-            "xrec_workspace_bytes_in_use": ("Workspace of running batches (when the engine does "
-                                            "not report it: the budgets of busy pipelines)",
-                                            _workspace_in_use),
+            "xrec_workspace_bytes_in_use": ("Workspace estimate of the batches running now",
+                                            lambda e: e.executor.workspace_bytes_in_use),
         }
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=registry).set_function(self._reader(read))
@@ -106,12 +105,3 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-def _workspace_in_use(engine: Any) -> float:
-    in_use = getattr(engine, "workspace_bytes_in_use", None)
-    if in_use is None:
-        in_use = getattr(engine.executor, "workspace_bytes_in_use", None)
-    if in_use is None:
-        return engine.executor.num_busy * engine.workspace_per_pipeline
-    return in_use
