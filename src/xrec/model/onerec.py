@@ -231,6 +231,29 @@ class OneRecModel(nn.Module):
         weight, scale = self._head_weight()
         return ((hidden * scale) @ weight.T).float()
 
+    def logits_logsumexp(self, hidden: torch.Tensor, row_scale: torch.Tensor | None = None,
+                         block_rows: int = 256) -> torch.Tensor:
+        """log-sum-exp over the vocabulary of `logits(hidden) * row_scale`, `hidden [N, D]`,
+        `row_scale [N]` or None -> `[N]` float32, without materialising `[N, V]`.
+
+        On a CPU the rows go through in blocks so that each block's logits stay in cache
+        (about twice as fast as one `[N, V]` pass); on a GPU one block covers all rows.
+        """
+        weight, scale = self._head_weight()
+        num_rows = hidden.shape[0]
+        block = num_rows if hidden.device.type != "cpu" else min(block_rows, num_rows)
+        logits = torch.empty((block, weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
+        out = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
+        scaled = hidden * scale
+        for start in range(0, num_rows, block):  # blocks of rows, a handful per round
+            rows = logits[:min(block, num_rows - start)]
+            torch.mm(scaled[start:start + block], weight.T, out=rows)
+            rows = rows.float()
+            if row_scale is not None:
+                rows = rows * row_scale[start:start + block].unsqueeze(-1)
+            torch.logsumexp(rows, dim=-1, out=out[start:start + block])
+        return out
+
     def candidate_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """Logits of chosen tokens only: `hidden [N, D]`, `token_ids [N, C]` -> `[N, C]`."""
         weight, scale = self._head_weight()

@@ -120,24 +120,28 @@ class RecStep:
         tables = self.tables
         children = gather_children(tables.offsets[level], tables.tokens[level], nodes,
                                    tables.max_children[level])
+        num_batch, num_beams, num_cand = children.tokens.shape
         full_logits = None
-        if not self.is_narrow[level] or rows.is_all_full:
-            full_logits = rows.scale(model.logits(hidden))                  # [B, W, V]
-            logits = full_logits.gather(-1, children.tokens)
-        else:
-            num_batch, num_beams, num_cand = children.tokens.shape
+        if self.is_narrow[level]:   # LM-head rows of the children only
             logits = model.candidate_logits(hidden.flatten(0, 1), children.tokens.flatten(0, 1))
-            logits = rows.scale(logits.view(num_batch, num_beams, num_cand))
+            logits = logits.view(num_batch, num_beams, num_cand)
+        else:
+            full_logits = model.logits(hidden)                              # [B, W, V]
+            logits = full_logits.gather(-1, children.tokens)
+        logits = rows.scale(logits)                                         # [B, W, C]
         if not rows.full_rows:
             return normalize(logits, children.is_valid, None), children.tokens, children.first
-        if rows.is_all_full:
-            lse = torch.logsumexp(full_logits, dim=-1)
-            return normalize(logits, children.is_valid, lse), children.tokens, children.first
-        index = rows.full_index
-        if full_logits is None:
-            lse = torch.logsumexp(rows.scale(model.logits(hidden[index]), index), dim=-1)
+        # "full" rows normalise over the whole vocabulary
+        index = None if rows.is_all_full else rows.full_index
+        if full_logits is not None:
+            lse = torch.logsumexp(rows.scale(full_logits if index is None else full_logits[index],
+                                             index), dim=-1)
         else:
-            lse = torch.logsumexp(full_logits[index], dim=-1)
+            selected = hidden if index is None else hidden[index]           # [Bf, W, D]
+            lse = model.logits_logsumexp(selected.flatten(0, 1), rows.row_scale(index, num_beams))
+            lse = lse.view(selected.shape[:2])
+        if index is None:
+            return normalize(logits, children.is_valid, lse), children.tokens, children.first
         lp = normalize(logits, children.is_valid, None)
         lp[index] = normalize(logits[index], children.is_valid[index], lse)
         return lp, children.tokens, children.first
@@ -175,6 +179,13 @@ class _Rows:
         self.is_all_full = len(full_rows) == num_batch
         self.full_index = torch.tensor(full_rows, dtype=torch.long, device=device)
         self.temperatures = temperatures                                   # [B, 1, 1] or None
+
+    def row_scale(self, index: torch.Tensor | None, num_beams: int) -> torch.Tensor | None:
+        """1 / temperature per beam row `[len(index) * W]` of the selected requests, or None."""
+        if self.temperatures is None:
+            return None
+        temps = self.temperatures if index is None else self.temperatures[index]
+        return (1.0 / temps.view(-1, 1)).expand(-1, num_beams).reshape(-1)
 
     def scale(self, logits: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
         if self.temperatures is None:
