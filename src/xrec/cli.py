@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_options(serve)
     serve.set_defaults(run=_serve)
 
-    bench = sub.add_parser("bench", help="benchmarks: offline | scaling | serve | breakdown")
+    bench = sub.add_parser("bench", help="benchmarks: offline | scaling | serve | breakdown",
+                           add_help=False)  # -h goes to the bench command's own parser
     bench.set_defaults(run=_bench)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     for p in (make, rec, serve):
