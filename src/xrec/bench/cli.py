@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="server --max-concurrency values to compare")
     serve.add_argument("--num-requests", type=int, default=16,
                        help="requests of the server-vs-offline comparison")
+    serve.add_argument("--batch-wait-ms", type=float, default=0.0,
+                       help="engine option of the server and of the offline engine: how long a "
+                            "free pipeline may hold a partial batch to fill it")
     serve.add_argument("--startup-timeout", type=float, default=120.0)
     serve.set_defaults(run=_run("serve"), repeats=3)
     return parser

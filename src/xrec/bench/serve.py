@@ -113,14 +113,15 @@ def free_port() -> int:
 
 
 @contextmanager
-def server(model_dir, max_concurrency: int, threads: int | None, device: str, timeout_s: float):
+def server(model_dir, max_concurrency: int, threads: int | None, device: str, timeout_s: float,
+           batch_wait_ms: float = 0.0):
     """`xrec serve` in a subprocess on a free port; yields its base URL; SIGTERM at the end."""
     import httpx
 
     port = free_port()
     command = [sys.executable, "-m", "xrec.cli", "serve", "--model", str(model_dir), "--host",
                "127.0.0.1", "--port", str(port), "--max-concurrency", str(max_concurrency),
-               "--device", device, "--grace-s", "5"]
+               "--device", device, "--grace-s", "5", "--batch-wait-ms", str(batch_wait_ms)]
     if threads:
         command += ["--num-threads", str(threads)]
     log = tempfile.TemporaryFile()
@@ -172,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
     loads, versus = [], []
     for value in concurrency:
         with (_external(args.url) if args.url else
-              server(model_dir, value, args.threads, args.device, args.startup_timeout)) as url:
+              server(model_dir, value, args.threads, args.device, args.startup_timeout,
+                     args.batch_wait_ms)) as url:
             versus.append({"max_concurrency": value,
                            **server_vs_offline(url, model_dir, value, args, bodies["small"])})
             bar.update(1)
@@ -186,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
               "settings": {"model_dir": str(model_dir), "size": args.size, "items": args.items,
                            "small": sizes["small"], "large": sizes["large"],
                            "large_fraction": args.large_fraction, "duration_s": args.duration,
-                           "rates": args.rates, "url": args.url},
+                           "rates": args.rates, "url": args.url,
+                           "batch_wait_ms": args.batch_wait_ms},
               "server_vs_offline": versus, "load": loads}
     paths = output_paths(args.out, "serve")
     plot(loads, paths["png"])
@@ -213,7 +216,8 @@ def server_vs_offline(url: str, model_dir, max_concurrency: int | None, args: ar
 
     batch = [bodies[i % len(bodies)] for i in range(args.num_requests)]
     requests = [RecRequest(**body) for body in batch]
-    options = {"device": args.device, "num_threads": args.threads, "max_concurrency": max_concurrency}
+    options = {"device": args.device, "num_threads": args.threads, "max_concurrency": max_concurrency,
+               "batch_wait_ms": args.batch_wait_ms}
     offline, served = [], []
     with Engine.from_pretrained(model_dir, **{k: v for k, v in options.items() if v is not None}) \
             as engine:
