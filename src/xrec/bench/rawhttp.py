@@ -1,0 +1,91 @@
+"""A minimal HTTP/1.1 keep-alive client for load generation on the same machine.
+
+The server and its load share the cores here, so the client must cost little:
+bodies are encoded once, responses are read by Content-Length without parsing
+JSON (only the status line). Only 127.0.0.1 is a target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int          # 0: the connection failed before an answer
+    start: float
+    end: float
+    num_bytes: int
+
+
+class Connection:
+    """One keep-alive connection; one request at a time."""
+
+    def __init__(self, host: str, port: int):
+        if host not in ("127.0.0.1", "localhost"):
+            raise ValueError(f"load targets 127.0.0.1 only, got {host!r}")
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes, headers: str = "") -> Answer:
+        start = time.perf_counter()
+        try:
+            if self.writer is None:
+                self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+            head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\n{headers}\r\n").encode()
+            self.writer.write(head + body)
+            status_line = await self.reader.readline()
+            status = int(status_line.split()[1])
+            length, is_close = 0, False
+            while (line := await self.reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.decode("latin-1").partition(":")
+                if name.lower() == "content-length":
+                    length = int(value)
+                elif name.lower() == "connection" and value.strip().lower() == "close":
+                    is_close = True
+            await self.reader.readexactly(length)
+            if is_close:
+                await self.close()
+            return Answer(status, start, time.perf_counter(), length)
+        except (OSError, ValueError, IndexError, asyncio.IncompleteReadError):
+            await self.close()
+            return Answer(0, start, time.perf_counter(), 0)
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            try:
+                await self.writer.wait_closed()
+            except OSError:
+                pass
+        self.reader = self.writer = None
+
+
+async def burst(host: str, port: int, path: str, bodies: list[bytes],
+                connections: list[Connection] | None = None) -> list[Answer]:
+    """Send every body at once, one connection each; the answers in body order."""
+    connections = connections or [Connection(host, port) for _ in bodies]
+    return list(await asyncio.gather(*[c.post(path, b) for c, b in zip(connections, bodies)]))
+
+
+async def closed_loop(host: str, port: int, path: str, bodies: list[bytes], num_clients: int,
+                      duration_s: float, max_requests: int = 1_000_000) -> list[Answer]:
+    """`num_clients` clients, each sending its next body as soon as the last is answered,
+    for `duration_s` seconds (bounded by `max_requests` in all)."""
+    answers: list[Answer] = []
+    stop_at = time.perf_counter() + duration_s
+
+    async def client(index: int) -> None:
+        connection = Connection(host, port)
+        sent = index
+        while time.perf_counter() < stop_at and len(answers) < max_requests:
+            answers.append(await connection.post(path, bodies[sent % len(bodies)]))
+            sent += num_clients
+        await connection.close()
+
+    await asyncio.gather(*[client(i) for i in range(num_clients)])
+    return answers
