@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import math
-import threading
 
 import numpy as np
 import pytest
 
 import xrec
 from oracles.weights import random_state_dict, save_checkpoint
+from bounded import recommend_within
 from xrec import Engine, InvalidArgument, RecCandidate, RecItem, RecRequest, RecResponse
 from xrec.catalog import ItemCatalog
 from xrec.config import ModelConfig
@@ -37,23 +37,7 @@ def wait(future, timeout: float = TIMEOUT_S):
 
 
 def recommend(engine: Engine, requests, timeout: float = TIMEOUT_S):
-    """`engine.recommend(requests)`, failing the test instead of hanging."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = engine.recommend(requests)
-        except BaseException as exc:
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        pytest.fail(f"Engine.recommend did not answer within {timeout} s")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    return recommend_within(engine, requests, timeout)
 
 
 @pytest.fixture(scope="module")

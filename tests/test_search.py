@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import math
-import threading
 
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ import torch
 
 from oracles.naive import NaiveOneRec, assert_beams_close, naive_beam_search
 from oracles.weights import random_state_dict, save_checkpoint
+from bounded import recommend_within
 from xrec import Engine, RecItem, RecRequest
 from xrec.api_types import validate
 from xrec.catalog import ItemCatalog
@@ -45,24 +45,8 @@ MOE_SHARED = MOE.replace(moe_use_shared_experts=True, moe_num_shared_experts=2)
 # helpers
 # ---------------------------------------------------------------------------
 
-def recommend(engine: Engine, requests: list[RecRequest], timeout: float = TIMEOUT_S):
-    """`engine.recommend(requests)` (all submitted together), failing instead of hanging."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = engine.recommend(requests)
-        except BaseException as exc:  # re-raised in the test thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        pytest.fail(f"Engine.recommend did not answer {len(requests)} requests within {timeout} s")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+def recommend(engine: Engine, requests, timeout: float = TIMEOUT_S):
+    return recommend_within(engine, requests, timeout)
 
 
 def run_step(engine: Engine, requests: list[RecRequest], tables="engine"):

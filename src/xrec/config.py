@@ -276,6 +276,10 @@ def _dtype_name(value: Any) -> str:
 
 # ---- named sizes for `xrec make-model` ------------------------------------
 
+_ONEREC_01B = ModelConfig(d_model=1024, d_ff=2048, num_encoder_layers=4, num_decoder_layers=4,
+                          num_heads=8, head_dim=128, num_kv_heads=8, decoder_num_heads=8,
+                          decoder_head_dim=128, decoder_num_kv_heads=8, vocab_size=8192,
+                          torch_dtype="float32")
 MODEL_SIZES: dict[str, ModelConfig] = {
     "tiny": ModelConfig(d_model=32, d_ff=64, num_encoder_layers=2, num_decoder_layers=2, num_heads=4,
                         head_dim=8, num_kv_heads=2, decoder_num_heads=4, decoder_head_dim=8,
@@ -285,15 +289,9 @@ MODEL_SIZES: dict[str, ModelConfig] = {
                                  num_heads=4, head_dim=32, num_kv_heads=4, decoder_num_heads=4,
                                  decoder_head_dim=32, decoder_num_kv_heads=4, vocab_size=8192,
                                  torch_dtype="float32"),
-    "onerec-0.1b": ModelConfig(d_model=1024, d_ff=2048, num_encoder_layers=4, num_decoder_layers=4,
-                               num_heads=8, head_dim=128, num_kv_heads=8, decoder_num_heads=8,
-                               decoder_head_dim=128, decoder_num_kv_heads=8, vocab_size=8192,
-                               torch_dtype="float32"),
-    "onerec-1b-moe": ModelConfig(d_model=1024, d_ff=2048, num_encoder_layers=4, num_decoder_layers=4,
-                                 num_heads=8, head_dim=128, num_kv_heads=8, decoder_num_heads=8,
-                                 decoder_head_dim=128, decoder_num_kv_heads=8, vocab_size=8192,
-                                 use_moe=True, moe_num_experts=24, moe_topk=2, moe_inter_dim=2048,
-                                 torch_dtype="float32"),
+    "onerec-0.1b": _ONEREC_01B,
+    "onerec-1b-moe": _ONEREC_01B.replace(use_moe=True, moe_num_experts=24, moe_topk=2,
+                                         moe_inter_dim=2048),
 }
 
 
