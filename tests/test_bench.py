@@ -128,9 +128,6 @@ def test_serve_client_against_a_fake_server(home, tmp_path):
 
 
 def test_serve_quick_against_xrec_serve(home, tmp_path):
-    import importlib.util
-    if importlib.util.find_spec("xrec.server.run") is None:
-        pytest.skip("xrec.server.run is not there yet")
     record = _run("serve", tmp_path)
     assert [v["max_concurrency"] for v in record["server_vs_offline"]] == [1, 2]
     for load in record["load"]:
