@@ -25,6 +25,7 @@ from xrec.engine.responses import build_responses, ms
 from xrec.errors import DeadlineExceeded, Internal
 from xrec.search.batch import prepare_batch
 from xrec.search.step import RecStep
+from xrec.search.workspace_buffers import Workspace
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class Executor:
             torch.set_num_threads(self.threads_per_pipeline)
         # Each pipeline owns its stream; everything of a batch is queued on it.
         stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        workspace = Workspace(device)  # this pipeline's reusable buffers, used on its stream only
         while True:
             batch = self._work.get()
             if batch is None:
@@ -104,14 +106,15 @@ class Executor:
                 self._busy += 1
                 self._bytes_in_use += num_bytes
             try:
-                self._run(batch, stream)
+                self._run(batch, stream, workspace)
             finally:
                 with self._busy_lock:
                     self._busy -= 1
                     self._bytes_in_use -= num_bytes
                 self.on_batch_done()
 
-    def _run(self, batch: list[ScheduledRequest], stream: torch.cuda.Stream | None) -> None:
+    def _run(self, batch: list[ScheduledRequest], stream: torch.cuda.Stream | None,
+             workspace: Workspace) -> None:
         started = self.clock()
         requests = [r.payload for r in batch]
         is_ok = False
@@ -121,7 +124,7 @@ class Executor:
             step_batch = prepare_batch(requests, self.step.model.config.d_model,
                                        pin_memory=stream is not None)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                output = self.step.run(step_batch)
+                output = self.step.run(step_batch, workspace)
             finished = self.clock()
             timings = [{"queue_ms": ms(started - r.enqueued_at), "run_ms": ms(finished - started)}
                        for r in batch]

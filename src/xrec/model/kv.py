@@ -45,10 +45,15 @@ class BeamKV:
     """
 
     def __init__(self, num_layers: int, num_batch: int, num_beams: int, num_slots: int,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 buffers: tuple[torch.Tensor, torch.Tensor] | None = None):
         shape = (num_layers, 2, num_batch * num_beams, max(num_slots, 1), num_kv_heads, head_dim)
-        self.buffers = (torch.empty(shape, dtype=dtype, device=device),
-                        torch.empty(shape, dtype=dtype, device=device))
+        if buffers is None:
+            buffers = (torch.empty(shape, dtype=dtype, device=device),
+                       torch.empty(shape, dtype=dtype, device=device))
+        if any(tuple(b.shape) != shape for b in buffers):
+            raise ValueError(f"BeamKV buffers must be {list(shape)}, got {[list(b.shape) for b in buffers]}")
+        self.buffers = buffers
         self.current = 0
         self.num_batch, self.num_beams = num_batch, num_beams
 

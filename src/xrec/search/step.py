@@ -19,6 +19,7 @@ from xrec.catalog import ConstraintTables
 from xrec.model.kv import BeamKV
 from xrec.model.onerec import OneRecModel, padding_mask
 from xrec.search.batch import StepBatch
+from xrec.search.workspace_buffers import Workspace
 from xrec.search.beam import (follow_parents, gather_children, mask_beyond, normalize,
                               select_top)
 
@@ -56,7 +57,9 @@ class RecStep:
                                     if tables is not None else [])
 
     @torch.inference_mode()
-    def run(self, batch: StepBatch) -> StepOutput:
+    def run(self, batch: StepBatch, workspace: Workspace | None = None) -> StepOutput:
+        """All rounds of `batch`. `workspace`: the calling pipeline's reusable buffers
+        (None: fresh buffers for this batch only)."""
         model, device = self.model, self.device
         num_batch = batch.num_requests
         widths = _widths(batch.beam_widths, device)
@@ -84,9 +87,13 @@ class RecStep:
             if round_index > 0:
                 if beams is None:
                     cfg = model.config
+                    shape = (cfg.num_decoder_layers, 2, num_batch * num_beams,
+                             max(self.rounds - 1, 1), cfg.decoder_num_kv_heads, cfg.decoder_head_dim)
+                    ping_pong = None if workspace is None else tuple(
+                        workspace.take(name, shape, step_hidden.dtype) for name in ("beam_kv", "beam_kv_next"))
                     beams = BeamKV(cfg.num_decoder_layers, num_batch, num_beams, self.rounds - 1,
                                    cfg.decoder_num_kv_heads, cfg.decoder_head_dim,
-                                   step_hidden.dtype, device)
+                                   step_hidden.dtype, device, ping_pong)
                 step_hidden = model.decode_step(model.embed(tokens[:, :, -1]), round_index,
                                                 prefix_kv, beams, cross)   # [B, W, D]
             lp, cand_tokens, first = self._candidates(step_hidden, nodes, round_index, keep, rows)
