@@ -1,0 +1,43 @@
+"""CUDA: the same engine on the GPU (float32) returns the CPU's results, with concurrent
+pipelines on their own streams. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from xrec import Engine, RecRequest
+from xrec.demo import write_random_model
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_random_model(tmp_path_factory.mktemp("gpu"), "tiny", seed=2, num_items=500)
+
+
+def _requests():
+    rng = np.random.default_rng(0)
+    return [RecRequest(token_ids=rng.integers(0, 64, 5 + i).tolist(), beam_width=16,
+                       normalize="full" if i % 2 else "allowed") for i in range(8)]
+
+
+def test_cuda_results_equal_cpu_results(model_dir):
+    with Engine.from_pretrained(model_dir, device="cpu") as engine:
+        expected = engine.recommend(_requests())
+    with Engine.from_pretrained(model_dir, device="cuda", dtype="float32", max_concurrency=2,
+                                max_seqs_per_batch=2) as engine:
+        actual = engine.recommend(_requests())
+    for a, e in zip(actual, expected):
+        assert [c.tokens for c in a.results] == [c.tokens for c in e.results]
+        np.testing.assert_allclose([c.score for c in a.results], [c.score for c in e.results],
+                                   atol=1e-4)
+
+
+def test_cuda_bfloat16_serves(model_dir):
+    with Engine.from_pretrained(model_dir, device="cuda") as engine:   # auto dtype: bfloat16
+        responses = engine.recommend(_requests())
+    assert all(r.results for r in responses)
