@@ -6,6 +6,7 @@ Shared state is stored once per request; only the unshared K/V has a beam axis.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -46,14 +47,14 @@ class BeamKV:
 
     def __init__(self, num_layers: int, num_batch: int, num_beams: int, num_slots: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 buffers: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 allocate: Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor] | None = None):
+        """`allocate(name, shape, dtype)` supplies the two buffers (a pipeline's reusable
+        workspace); by default they are fresh tensors."""
         shape = (num_layers, 2, num_batch * num_beams, max(num_slots, 1), num_kv_heads, head_dim)
-        if buffers is None:
-            buffers = (torch.empty(shape, dtype=dtype, device=device),
-                       torch.empty(shape, dtype=dtype, device=device))
-        if any(tuple(b.shape) != shape for b in buffers):
-            raise ValueError(f"BeamKV buffers must be {list(shape)}, got {[list(b.shape) for b in buffers]}")
-        self.buffers = buffers
+        if allocate is None:
+            def allocate(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+                return torch.empty(shape, dtype=dtype, device=device)
+        self.buffers = (allocate("beam_kv", shape, dtype), allocate("beam_kv_next", shape, dtype))
         self.current = 0
         self.num_batch, self.num_beams = num_batch, num_beams
 

@@ -87,13 +87,10 @@ class RecStep:
             if round_index > 0:
                 if beams is None:
                     cfg = model.config
-                    shape = (cfg.num_decoder_layers, 2, num_batch * num_beams,
-                             max(self.rounds - 1, 1), cfg.decoder_num_kv_heads, cfg.decoder_head_dim)
-                    ping_pong = None if workspace is None else tuple(
-                        workspace.take(name, shape, step_hidden.dtype) for name in ("beam_kv", "beam_kv_next"))
                     beams = BeamKV(cfg.num_decoder_layers, num_batch, num_beams, self.rounds - 1,
                                    cfg.decoder_num_kv_heads, cfg.decoder_head_dim,
-                                   step_hidden.dtype, device, ping_pong)
+                                   step_hidden.dtype, device,
+                                   None if workspace is None else workspace.take)
                 step_hidden = model.decode_step(model.embed(tokens[:, :, -1]), round_index,
                                                 prefix_kv, beams, cross)   # [B, W, D]
             lp, cand_tokens, first = self._candidates(step_hidden, nodes, round_index, keep, rows)
