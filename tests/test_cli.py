@@ -112,7 +112,7 @@ def test_help(home):
     assert proc.returncode == 0, proc.stderr
     for command in ("serve", "recommend", "make-model", "bench"):
         assert command in proc.stdout
-    for command in ("recommend", "make-model"):
+    for command in ("recommend", "make-model", "serve", "bench"):
         sub = xrec_cli(command, "--help", home=home)
         assert sub.returncode == 0 and "usage: xrec " + command in sub.stdout, sub.stderr
     assert "--token-ids" in xrec_cli("recommend", "--help", home=home).stdout
