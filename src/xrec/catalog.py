@@ -252,6 +252,16 @@ class ItemCatalog:
         kept, or with a `seed` a random sample of them (in file order). A
         triple not in the catalog gets an empty array.
         """
+        rows, offsets = self.convert_flat(triples, each_conversion_threshold,
+                                          total_conversion_threshold, seed)
+        bounds = offsets.tolist()
+        return [rows[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def convert_flat(self, triples: Any, each_conversion_threshold: int = 50,
+                     total_conversion_threshold: int = 1000,
+                     seed: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """`convert` as one flat array: rows `[M]` int64 and offsets `[N + 1]` (triple i's
+        rows are `rows[offsets[i]:offsets[i + 1]]`). Vectorised unless a seed samples."""
         for name, value in (("each_conversion_threshold", each_conversion_threshold),
                             ("total_conversion_threshold", total_conversion_threshold)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
@@ -271,17 +281,15 @@ class ItemCatalog:
         num_taken = np.minimum(num_rows, each_conversion_threshold)  # [N]
         num_before = np.cumsum(num_taken) - num_taken  # [N]
         num_taken = np.clip(total_conversion_threshold - num_before, 0, num_taken)  # [N]
-
-        rng = None if seed is None else np.random.default_rng(seed)
-        results = []
-        for start, count, num_taken_here in zip(starts.tolist(), num_rows.tolist(),
-                                                num_taken.tolist()):
-            if rng is None or num_taken_here == count:
-                picks = np.arange(start, start + num_taken_here)
-            else:
-                picks = start + np.sort(rng.choice(count, num_taken_here, replace=False))
-            results.append(self._key_order[picks])  # [k] int64 rows
-        return results
+        offsets = np.concatenate([[0], np.cumsum(num_taken)]).astype(np.int64)  # [N + 1]
+        # the first num_taken rows of each triple: start + 0, 1, ... (one vectorised pass)
+        picks = np.repeat(starts - offsets[:-1], num_taken) + np.arange(offsets[-1])  # [M]
+        if seed is not None:
+            rng = np.random.default_rng(seed)
+            for index in np.flatnonzero(num_taken < num_rows).tolist():  # only triples a cap cut
+                sample = np.sort(rng.choice(num_rows[index], num_taken[index], replace=False))
+                picks[offsets[index]:offsets[index + 1]] = starts[index] + sample
+        return self._key_order[picks], offsets
 
     # --- constrained decoding -----------------------------------------------------------
 

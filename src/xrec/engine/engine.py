@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import threading
@@ -74,6 +75,11 @@ class Engine:
                                  batch_bytes=self._batch_bytes)
         self.num_pipelines = num_pipelines
         self._closed = threading.Event()
+        # The objects of start-up (torch, model, catalog: ~170k) move to the permanent GC
+        # generation so that collections triggered by response building stop rescanning
+        # them: that rescanning was 60% of building 16 x 128 results.
+        gc.collect()
+        gc.freeze()
         self.scheduler.start()
         logger.info("engine ready: %s, %.1fM parameters, %s %s, %d pipeline(s), workspace %.1f MiB "
                     "each, catalog %s, options %s", model_name, config.num_parameters / 1e6, device,

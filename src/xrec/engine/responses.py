@@ -22,15 +22,15 @@ def build_responses(output: StepOutput, requests: Sequence[ValidRequest], catalo
         scores = output.scores[b, :num]                                   # [N]
         keep = int(np.isfinite(scores).sum())      # -inf sorts last: the first `keep` are real
         tokens = output.tokens[b, :keep]                                  # [n, R]
-        logprobs = output.token_logprobs[b, :keep]
-        item_rows: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * keep
         # only whole semantic IDs have items (free decoding may run another number of rounds)
         is_whole = catalog is not None and tokens.shape[1] == catalog.triples.shape[1]
+        items: list[list[RecItem]] = [[] for _ in range(keep)]
         if is_whole and request.return_items and keep:
-            item_rows = catalog.convert(tokens, each_threshold, total_threshold, seed=request.seed)
-        token_lists, score_list, lp_lists = tokens.tolist(), scores[:keep].tolist(), logprobs.tolist()
-        results = [RecCandidate(tuple(token_lists[i]), score_list[i], tuple(lp_lists[i]),
-                                _items(catalog, item_rows[i]))
+            items = _items(catalog, *catalog.convert_flat(tokens, each_threshold, total_threshold,
+                                                          seed=request.seed))
+        token_lists = tokens.tolist()
+        score_list, lp_lists = scores[:keep].tolist(), output.token_logprobs[b, :keep].tolist()
+        results = [RecCandidate(tuple(token_lists[i]), score_list[i], tuple(lp_lists[i]), items[i])
                    for i in range(keep)]
         responses.append(RecResponse(
             request_id=request.request_id, results=results,
@@ -39,14 +39,16 @@ def build_responses(output: StepOutput, requests: Sequence[ValidRequest], catalo
     return responses
 
 
-def _items(catalog: ItemCatalog | None, rows: np.ndarray) -> list[RecItem]:
-    if catalog is None or not len(rows):
-        return []
+def _items(catalog: ItemCatalog, rows: np.ndarray, offsets: np.ndarray) -> list[list[RecItem]]:
+    """Per triple its items, from `convert_flat`'s rows and offsets (one gather for all)."""
     ids = catalog.item_ids[rows].tolist()
-    if not catalog.is_extended:
-        return [RecItem(item_id) for item_id in ids]
-    dids, types = catalog.dids, catalog.types
-    return [RecItem(item_id, dids[row], types[row]) for item_id, row in zip(ids, rows.tolist())]
+    if catalog.is_extended:
+        dids, types = catalog.dids, catalog.types
+        flat = [RecItem(item_id, dids[row], types[row]) for item_id, row in zip(ids, rows.tolist())]
+    else:
+        flat = [RecItem(item_id) for item_id in ids]
+    bounds = offsets.tolist()
+    return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def ms(seconds: float) -> float:
