@@ -112,19 +112,24 @@ class Engine:
         self.scheduler.submit(scheduled)
         return scheduled.future
 
-    def recommend(self, requests: RecRequest | Sequence[RecRequest]) -> list[RecResponse]:
-        """Run requests to completion; responses in request order. Every request is
-        validated before any is queued, and all are queued at once (so they can share
-        batches); the first failure is raised."""
-        if isinstance(requests, RecRequest):
-            requests = [requests]
+    def submit_many(self, requests: Sequence[RecRequest]) -> list[Future]:
+        """Validate every request, then queue them all at once (so they can share a batch).
+        Raises `InvalidArgument` before queueing anything if one is bad; a request refused
+        at admission (queue full, too big) has its future failed."""
         for index, request in enumerate(requests):
             if not isinstance(request, RecRequest):
                 raise InvalidArgument(f"requests[{index}]: expected a RecRequest, got "
                                       f"{type(request).__name__}")
         scheduled = [self._schedule(request) for request in requests]
         self.scheduler.submit_many(scheduled)
-        return [s.future.result() for s in scheduled]
+        return [s.future for s in scheduled]
+
+    def recommend(self, requests: RecRequest | Sequence[RecRequest]) -> list[RecResponse]:
+        """Run requests to completion (`submit_many`); responses in request order; the
+        first failure is raised."""
+        if isinstance(requests, RecRequest):
+            requests = [requests]
+        return [future.result() for future in self.submit_many(requests)]
 
     def _schedule(self, request: RecRequest) -> ScheduledRequest:
         if self._closed.is_set():
