@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 
 from xrec.bench.cli import model_dir_of, progress_bar
-from xrec.bench.common import (environment, environment_markdown, markdown_table, output_paths,
-                               pyplot, write_outputs)
+from xrec.bench.common import (environment, environment_markdown, in_fresh_thread, markdown_table,
+                               output_paths, pyplot, write_outputs)
 from xrec.bench.models import make_workload
 from xrec.bench.runner import load_contenders, num_runs, run_point
 
@@ -34,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
                                 ["xrec", "xrec-full", "hf", "naive"])
     slow_repeats = args.hf_repeats if args.hf_repeats is not None else args.repeats
     points = points_of(args)
-    contenders = load_contenders(names, model_dir_of(args), args.device, args.threads)
+    contenders = in_fresh_thread(
+        lambda: load_contenders(names, model_dir_of(args), args.device, args.threads))
     try:
         env = environment(args.device)
         bar = progress_bar(args, len(points) * num_runs(contenders, args.warmup, args.repeats,

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from xrec.bench.common import MIB, PeakMemory, summarize
+from xrec.bench.common import MIB, PeakMemory, in_fresh_thread, summarize
 from xrec.bench.contenders import HFContender, XrecContender, build_trie, overlap
 from xrec.bench.models import Workload
 
@@ -86,15 +86,15 @@ def run_point(contenders: Contenders, workload: Workload, warmup: int, repeats: 
         for index in range(warmup):
             if index == warmup - 1:
                 with PeakMemory(device) as mem:
-                    checked[name] = contender.run(workload)
+                    checked[name] = in_fresh_thread(lambda: contender.run(workload))
                 memory[name] = mem.peak_bytes / MIB
             else:
-                contender.run(workload)
+                in_fresh_thread(lambda: contender.run(workload))
             _tick(bar, name)
     for index in range(max(repeats, slow_repeats)):
         for name, contender in contenders.by_name.items():
             if index < (slow_repeats if name in SLOW else repeats):
-                runs[name].append(contender.run(workload))
+                runs[name].append(in_fresh_thread(lambda: contender.run(workload)))
                 _tick(bar, name)
     out: dict[str, dict] = {}
     for name, results in runs.items():

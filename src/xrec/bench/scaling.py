@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 
 from xrec.bench.cli import model_dir_of, progress_bar
-from xrec.bench.common import (environment, environment_markdown, markdown_table, output_paths,
-                               pyplot, write_outputs)
+from xrec.bench.common import (environment, environment_markdown, in_fresh_thread, markdown_table,
+                               output_paths, pyplot, write_outputs)
 from xrec.bench.models import make_workload
 from xrec.bench.runner import load_contenders, num_runs, run_point
 
@@ -36,14 +36,15 @@ def run(args: argparse.Namespace) -> int:
     names = args.contenders or ["xrec", "xrec-full", "hf", "naive"]
     slow_repeats = args.hf_repeats if args.hf_repeats is not None else args.repeats
     points = points_of(args)
-    contenders = load_contenders(names, model_dir_of(args), args.device, args.threads)
+    contenders = in_fresh_thread(
+        lambda: load_contenders(names, model_dir_of(args), args.device, args.threads))
     try:
         env = environment(args.device)
         # one untimed run of each contender first: one-time allocations stay out of the curves
         smallest = min((p for _, p in points), key=lambda p: p[0] * p[1] * p[2])
         first = make_workload(contenders.vocab_size, smallest[2], smallest[1], smallest[0], args.seed)
         for contender in contenders.by_name.values():
-            contender.run(first)
+            in_fresh_thread(lambda: contender.run(first))
         bar = progress_bar(args, len(points) * num_runs(contenders, args.warmup, args.repeats,
                                                        slow_repeats), "scaling")
         results = []
