@@ -86,6 +86,22 @@ class Stack(nn.Module):
                                            num_buckets=self.num_buckets, max_distance=self.max_distance)
         return attn.relative_attention_bias(buckets).float().movedim(-1, -3)
 
+    def square_bias(self, length: int, device: torch.device) -> torch.Tensor | None:
+        """The `[H, L, L]` bias of L positions attending to each other (contiguous, float32).
+
+        It is Toeplitz: bucket only the 2L-1 distances, then lay each query's row out as
+        a window of that vector (one copy), instead of bucketing L x L pairs.
+        """
+        attn = self.block[0].layer[0].SelfAttention
+        if not hasattr(attn, "relative_attention_bias"):
+            return None
+        distances = torch.arange(1 - length, length, device=device)     # key - query, [2L-1]
+        buckets = relative_position_bucket(distances, bidirectional=not self.is_decoder,
+                                           num_buckets=self.num_buckets, max_distance=self.max_distance)
+        per_distance = attn.relative_attention_bias(buckets).float().T  # [H, 2L-1]
+        # row q, column k -> per_distance[k - q + L - 1]
+        return per_distance.flip(-1).unfold(-1, length, 1).flip(-1)     # [H, L, L]
+
 
 def padding_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
     """`[B]` lengths -> additive key mask `[B, 1, 1, max_len]` (0 inside, -inf past the end)."""
@@ -114,9 +130,7 @@ class OneRecModel(nn.Module):
     def encode(self, hidden: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         """`hidden [B, L, D]` (embedded ids or sparse embeddings), `key_mask [B, 1, 1, L]`
         additive or None. Returns the encoder output `[B, L, D]`."""
-        num_len = hidden.shape[1]
-        positions = torch.arange(num_len, device=hidden.device)
-        bias = self.encoder.position_bias(positions.unsqueeze(0) - positions.unsqueeze(1))
+        bias = self.encoder.square_bias(hidden.shape[1], hidden.device)   # [H, L, L] or None
         mask = _add_masks(None if bias is None else bias.unsqueeze(0), key_mask)
         scale = self.config.encoder_attention_scale
         for block in self.encoder.block:
