@@ -38,6 +38,10 @@ class Engine:
 
     >>> engine = Engine.from_pretrained(model_dir, max_concurrency=2)
     >>> engine.recommend([RecRequest(token_ids=[5, 17, 9], beam_width=128)])
+
+    On a CPU, keep the process's other torch work off long-lived threads: a thread
+    that ran a parallel op keeps an OpenMP team, and libgomp then throttles every
+    team, the pipelines' included (README, "One process, several OpenMP teams").
     """
 
     def __init__(self, model: OneRecModel, catalog: ItemCatalog | None, options: EngineOptions,
