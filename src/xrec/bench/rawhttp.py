@@ -70,22 +70,3 @@ async def burst(host: str, port: int, path: str, bodies: list[bytes],
     """Send every body at once, one connection each; the answers in body order."""
     connections = connections or [Connection(host, port) for _ in bodies]
     return list(await asyncio.gather(*[c.post(path, b) for c, b in zip(connections, bodies)]))
-
-
-async def closed_loop(host: str, port: int, path: str, bodies: list[bytes], num_clients: int,
-                      duration_s: float, max_requests: int = 1_000_000) -> list[Answer]:
-    """`num_clients` clients, each sending its next body as soon as the last is answered,
-    for `duration_s` seconds (bounded by `max_requests` in all)."""
-    answers: list[Answer] = []
-    stop_at = time.perf_counter() + duration_s
-
-    async def client(index: int) -> None:
-        connection = Connection(host, port)
-        sent = index
-        while time.perf_counter() < stop_at and len(answers) < max_requests:
-            answers.append(await connection.post(path, bodies[sent % len(bodies)]))
-            sent += num_clients
-        await connection.close()
-
-    await asyncio.gather(*[client(i) for i in range(num_clients)])
-    return answers
