@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from oracles.naive import NaiveOneRec
 from oracles.weights import random_state_dict, save_checkpoint, to_xllm_names
-from xrec.config import ModelConfig
+from xrec.config import MODEL_SIZES, ModelConfig
 from xrec.model.kv import BeamKV
 from xrec.model.loader import CheckpointError, load_model, save_model
 from xrec.model.onerec import padding_mask
@@ -395,6 +395,23 @@ def test_names_prefixes_and_shards_load_the_same(tmp_path, config_name):
             # equal weights; outputs equal up to kernel rounding (memory alignment may differ)
             for a, b in zip(_outputs(model), want):
                 _rel_close(a, b, 1e-6, naming)
+
+
+def test_reversed_square_bias_is_a_view_of_the_pairwise_bias():
+    """The encoder's Toeplitz bias, queries reversed, equals bucketing every (query, key)
+    pair; on a CPU it is a view of 2L-1 values per head (never H x L x L in memory)."""
+    from xrec.model.onerec import OneRecModel
+
+    model = OneRecModel(MODEL_SIZES["tiny"])
+    heads = model.config.num_heads
+    with torch.no_grad():
+        model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.normal_()
+        for length in (1, 7, 300):
+            positions = torch.arange(length)
+            pairwise = model.encoder.position_bias(positions.unsqueeze(0) - positions.unsqueeze(1))
+            square = model.encoder.reversed_square_bias(length, torch.device("cpu"), torch.float32)
+            assert torch.equal(square.flip(-2), pairwise), length
+            assert square.untyped_storage().nbytes() == heads * (2 * length - 1) * 4
 
 
 def test_save_model_round_trip(tmp_path):

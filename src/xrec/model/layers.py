@@ -32,7 +32,8 @@ class GatedFFN(nn.Module):
         self.wo = nn.Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.wo(F.silu(self.wi_0(x)) * self.wi_1(x))
+        gate = F.silu(self.wi_0(x), inplace=True)      # in place: no extra [.., d_ff] buffers
+        return self.wo(gate.mul_(self.wi_1(x)))
 
 
 def relative_position_bucket(relative_position: torch.Tensor, *, bidirectional: bool,
