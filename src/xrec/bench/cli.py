@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--contenders", type=_names, default=None,
                        help=f"comma-separated among xrec, xrec-full, hf, naive (default {default})")
         p.add_argument("--hf-repeats", type=int, default=None,
-                       help="measured runs of the slow contenders hf and naive (default --repeats)")
+                       help="measured runs of the slow contenders hf and naive "
+                            "(default: --repeats, at most 3)")
 
     offline = sub.add_parser("offline", help="requests/s and latency of a batch vs HF generate")
     common(offline)
@@ -88,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     offline.add_argument("--beam-widths", type=_ints, default=[64, 128, 256, 512])
     offline.add_argument("--lengths", type=_ints, default=[128, 512, 1024])
     offline.add_argument("--num-requests", type=int, default=8)
-    offline.set_defaults(run=_run("offline"))
+    # the fast contenders take ~0.1-0.3 s a run: 11 of them keep one noisy run off the median
+    offline.set_defaults(run=_run("offline"), repeats=11)
 
     scaling = sub.add_parser("scaling", help="time and peak memory as W, L and batch grow")
     common(scaling)
@@ -152,6 +154,11 @@ def _run(command: str):
         import importlib
         return importlib.import_module(f"xrec.bench.{command}").run(args)
     return run
+
+
+def slow_repeats_of(args: argparse.Namespace) -> int:
+    """Measured runs of the slow contenders (hf, naive): --hf-repeats, else --repeats up to 3."""
+    return args.hf_repeats if args.hf_repeats is not None else min(args.repeats, 3)
 
 
 def model_dir_of(args: argparse.Namespace):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from xrec.bench.cli import model_dir_of, progress_bar
+from xrec.bench.cli import model_dir_of, progress_bar, slow_repeats_of
 from xrec.bench.common import (environment, environment_markdown, in_fresh_thread, markdown_table,
                                output_paths, pyplot, write_outputs)
 from xrec.bench.models import make_workload
@@ -32,7 +32,7 @@ def points_of(args: argparse.Namespace) -> list[tuple[tuple[int, int, int], dict
 def run(args: argparse.Namespace) -> int:
     names = args.contenders or (["xrec", "xrec-full", "hf"] if args.case else
                                 ["xrec", "xrec-full", "hf", "naive"])
-    slow_repeats = args.hf_repeats if args.hf_repeats is not None else args.repeats
+    slow_repeats = slow_repeats_of(args)
     points = points_of(args)
     contenders = in_fresh_thread(
         lambda: load_contenders(names, model_dir_of(args), args.device, args.threads))
