@@ -414,6 +414,23 @@ def test_reversed_square_bias_is_a_view_of_the_pairwise_bias():
             assert square.untyped_storage().nbytes() == heads * (2 * length - 1) * 4
 
 
+@pytest.mark.parametrize("block_rows", [1, 3, 128])
+def test_logits_logsumexp_in_blocks_equals_the_materialised_one(block_rows):
+    from xrec.model.onerec import OneRecModel
+
+    torch.manual_seed(0)
+    model = OneRecModel(MODEL_SIZES["tiny"])
+    torch.nn.init.normal_(model.shared.weight)
+    hidden = torch.randn(10, model.config.d_model)
+    row_scale = torch.rand(10) + 0.5
+    with torch.no_grad():
+        want = torch.logsumexp(model.logits(hidden) * row_scale.unsqueeze(-1), dim=-1)
+        got = model.logits_logsumexp(hidden, row_scale, block_rows=block_rows)
+        _rel_close(got, want, what="with row_scale")
+        _rel_close(model.logits_logsumexp(hidden, block_rows=block_rows),
+                   torch.logsumexp(model.logits(hidden), dim=-1), what="without")
+
+
 def test_save_model_round_trip(tmp_path):
     cfg = NAIVE_CONFIGS["moe_absolute_untied"].replace(torch_dtype="bfloat16")
     sd = random_state_dict(cfg, seed=51)

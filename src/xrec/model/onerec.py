@@ -254,26 +254,27 @@ class OneRecModel(nn.Module):
         return ((hidden * scale) @ weight.T).float()
 
     def logits_logsumexp(self, hidden: torch.Tensor, row_scale: torch.Tensor | None = None,
-                         block_rows: int = 256) -> torch.Tensor:
+                         block_rows: int = 128) -> torch.Tensor:
         """log-sum-exp over the vocabulary of `logits(hidden) * row_scale`, `hidden [N, D]`,
         `row_scale [N]` or None -> `[N]` float32, without materialising `[N, V]`.
 
-        On a CPU the rows go through in blocks so that each block's logits stay in cache
-        (about twice as fast as one `[N, V]` pass); on a GPU one block covers all rows.
+        Computed as `weight @ hidden.T` (`[V, rows]`: ~1.8x the GEMM speed of the `[rows, V]`
+        product on a CPU) and reduced over the vocabulary axis. On a CPU the rows go through
+        in blocks so that each block's logits stay in cache; on a GPU one block covers all.
         """
         weight, scale = self._head_weight()
-        num_rows = hidden.shape[0]
+        num_rows, vocab = hidden.shape[0], weight.shape[0]
         block = num_rows if hidden.device.type != "cpu" else min(block_rows, num_rows)
-        logits = torch.empty((block, weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
+        buffer = torch.empty(vocab * block, dtype=hidden.dtype, device=hidden.device)
         out = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
         scaled = hidden * scale
         for start in range(0, num_rows, block):  # blocks of rows, a handful per round
-            rows = logits[:min(block, num_rows - start)]
-            torch.mm(scaled[start:start + block], weight.T, out=rows)
-            rows = rows.float()
+            stop = min(start + block, num_rows)
+            logits = torch.mm(weight, scaled[start:stop].T,
+                              out=buffer[:vocab * (stop - start)].view(vocab, stop - start)).float()
             if row_scale is not None:
-                rows = rows * row_scale[start:start + block].unsqueeze(-1)
-            torch.logsumexp(rows, dim=-1, out=out[start:start + block])
+                logits = logits * row_scale[start:stop]
+            torch.logsumexp(logits, dim=0, out=out[start:stop])
         return out
 
     def candidate_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
