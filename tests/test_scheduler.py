@@ -403,6 +403,28 @@ def test_batch_wait_holds_a_partial_batch_until_it_fills_or_times_out(make_sched
         ["a", "b"], ["c", "d", "e"]]
 
 
+def test_submissions_while_wakeups_are_held_wake_the_loop_once_at_release(make_scheduler):
+    """An HTTP burst accepted one request at a time wakes the loop once, so it is not
+    split into a first request alone and the rest (white-box: the loop's event count)."""
+    scheduler, executor = make_scheduler(make_limits(max_seqs_per_batch=8), is_started=False)
+    scheduler.hold_wakeups()
+    scheduler.hold_wakeups()                 # holds nest
+    events = scheduler._num_events
+    requests = [make_request(name) for name in "abc"]
+    for request in requests:                 # one at a time, as HTTP handlers submit
+        scheduler.submit(request)
+    scheduler.release_wakeups()
+    assert scheduler._num_events == events   # still held: no wake-up yet
+    scheduler.release_wakeups()
+    assert scheduler._num_events == events + 1
+    scheduler.start()
+    for request in requests:
+        assert request.future.result(WAIT_S) == request.request_id
+    assert [[r.request_id for r in batch] for batch in executor.batches] == [["a", "b", "c"]]
+    with pytest.raises(RuntimeError, match="without hold_wakeups"):
+        scheduler.release_wakeups()
+
+
 def test_close_drains_queued_and_running_requests(make_scheduler):
     scheduler, executor = make_scheduler(make_limits(max_seqs_per_batch=1))
     executor.gate.clear()

@@ -222,6 +222,18 @@ def test_native_token_ids(client):
     assert all(r["items"] == [] for r in no_items["results"])
 
 
+def test_a_burst_is_answered_and_leaves_no_wakeup_held(server, engine):
+    """Each event-loop iteration holds the scheduler's wake-ups while it accepts requests
+    (so a burst can share a batch); every hold must be released."""
+    results: list = []
+    threads = [post_in_thread(server.url + "/v1/rec/completions",
+                              {**VALID, "request_id": f"burst-{i}"}, results) for i in range(8)]
+    for thread in threads:
+        thread.join(WAIT_S * 2)
+    assert sorted(r.json()["id"] for r in results) == sorted(f"burst-{i}" for i in range(8))
+    assert wait_until(lambda: engine.scheduler._num_holds == 0)
+
+
 def test_native_embedding_data_and_b64_agree(client):
     emb, ctx = embedding(5), embedding(2, seed=1)
     common = {"beam_width": 8, "num_return_sequences": 8, "top_k": 16}

@@ -128,6 +128,15 @@ class Engine:
         self.scheduler.submit_many(scheduled)
         return [s.future for s in scheduled]
 
+    def hold_wakeups(self) -> None:
+        """Requests submitted until `release_wakeups()` queue without waking the scheduler,
+        so requests accepted one by one but together (an HTTP burst) can share a batch.
+        Holds nest; a hold delays a launch by at most ~50 ms, it never blocks one."""
+        self.scheduler.hold_wakeups()
+
+    def release_wakeups(self) -> None:
+        self.scheduler.release_wakeups()
+
     def recommend(self, requests: RecRequest | Sequence[RecRequest]) -> list[RecResponse]:
         """Run requests to completion (`submit_many`); responses in request order; the
         first failure is raised."""

@@ -54,6 +54,8 @@ class FixedStepsScheduler:
         self._is_sweep_needed = False  # a waiting request was cancelled
         self._is_closing = False   # submit() refuses; partial batches are not held
         self._is_stopping = False  # the loop fails what still waits and exits
+        self._num_holds = 0        # hold_wakeups() not yet released
+        self._is_wake_held = False # something was queued while held
         self._thread: threading.Thread | None = None
         # Owned by the loop thread only.
         self._waiting: collections.deque[ScheduledRequest] = collections.deque()
@@ -119,13 +121,33 @@ class FixedStepsScheduler:
                     request.enqueued_at = self._clock()
                     self._incoming.append(request)
                     self._num_pending += 1
-            self._notify_loop()
+            if self._num_holds:
+                self._is_wake_held = True
+            else:
+                self._notify_loop()
         for request, error in zip(requests, errors):
             if error is None:  # runs at once if it was cancelled meanwhile
                 request.future.add_done_callback(self._on_future_done)
             else:
                 request.fail(error)
         return errors
+
+    def hold_wakeups(self) -> None:
+        """Until the matching `release_wakeups`, submissions queue without waking the loop,
+        so requests accepted together (an HTTP burst) can start as one batch. Holds nest.
+        The loop still looks at the queue at least every MAX_IDLE_WAIT_S and on any other
+        event: a hold delays a launch, it never blocks one."""
+        with self._cond:
+            self._num_holds += 1
+
+    def release_wakeups(self) -> None:
+        with self._cond:
+            if self._num_holds < 1:
+                raise RuntimeError("release_wakeups() without hold_wakeups()")
+            self._num_holds -= 1
+            if not self._num_holds and self._is_wake_held:
+                self._is_wake_held = False
+                self._notify_loop()
 
     def batch_done(self) -> None:
         """The executor finished one launched batch (any outcome); frees its slot."""
