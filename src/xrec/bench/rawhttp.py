@@ -39,14 +39,14 @@ class Connection:
                     f"Content-Length: {len(body)}\r\n{headers}\r\n").encode()
             self.writer.write(head + body)
             status_line = await self.reader.readline()
-            status = int(status_line.split()[1])
-            length, is_close = 0, False
+            version, status = status_line.split()[0], int(status_line.split()[1])
+            length, is_close = 0, version == b"HTTP/1.0"   # 1.0 closes unless it says otherwise
             while (line := await self.reader.readline()) not in (b"\r\n", b""):
                 name, _, value = line.decode("latin-1").partition(":")
                 if name.lower() == "content-length":
                     length = int(value)
-                elif name.lower() == "connection" and value.strip().lower() == "close":
-                    is_close = True
+                elif name.lower() == "connection":
+                    is_close = value.strip().lower() != "keep-alive"
             await self.reader.readexactly(length)
             if is_close:
                 await self.close()
