@@ -431,6 +431,20 @@ def test_logits_logsumexp_in_blocks_equals_the_materialised_one(block_rows):
                    torch.logsumexp(model.logits(hidden), dim=-1), what="without")
 
 
+@pytest.mark.parametrize("block_bytes", [1, 5000, 2 << 20])
+def test_candidate_logits_in_blocks_are_the_full_logits_gathered(block_bytes):
+    from xrec.model.onerec import OneRecModel
+
+    torch.manual_seed(1)
+    model = OneRecModel(MODEL_SIZES["tiny"])
+    torch.nn.init.normal_(model.shared.weight)
+    hidden = torch.randn(9, model.config.d_model)
+    token_ids = torch.randint(0, model.config.vocab_size, (9, 4))
+    with torch.no_grad():
+        want = model.logits(hidden).gather(-1, token_ids)
+        _rel_close(model.candidate_logits(hidden, token_ids, block_bytes), want)
+
+
 def test_save_model_round_trip(tmp_path):
     cfg = NAIVE_CONFIGS["moe_absolute_untied"].replace(torch_dtype="bfloat16")
     sd = random_state_dict(cfg, seed=51)

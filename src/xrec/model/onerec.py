@@ -277,12 +277,25 @@ class OneRecModel(nn.Module):
             torch.logsumexp(logits, dim=0, out=out[start:stop])
         return out
 
-    def candidate_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        """Logits of chosen tokens only: `hidden [N, D]`, `token_ids [N, C]` -> `[N, C]`."""
+    def candidate_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor,
+                         block_bytes: int = 2 << 20) -> torch.Tensor:
+        """Logits of chosen tokens only: `hidden [N, D]`, `token_ids [N, C]` -> `[N, C]`.
+
+        The gathered head rows `[N, C, D]` are multiplied in place and summed (~5x faster
+        than a bmm of N matrix-vectors). On a CPU they go through in blocks of about
+        `block_bytes`, so the gather stays in cache instead of faulting in N x C x D fresh
+        values; on a GPU one block covers all rows.
+        """
         weight, scale = self._head_weight()
-        rows = F.embedding(token_ids, weight)                             # [N, C, D]
-        # multiply in place and sum: ~5x faster than weight[ids] and a bmm of N matrix-vectors
-        return rows.mul_((hidden * scale).unsqueeze(1)).sum(-1).float()
+        scaled = (hidden * scale).unsqueeze(1)                            # [N, 1, D]
+        num_rows, num_cand = token_ids.shape
+        row_bytes = max(1, num_cand * weight.shape[1] * weight.element_size())
+        block = num_rows if hidden.device.type != "cpu" else max(1, block_bytes // row_bytes)
+        out = torch.empty((num_rows, num_cand), dtype=hidden.dtype, device=hidden.device)
+        for start in range(0, num_rows, block):  # blocks of rows, a handful per round
+            rows = F.embedding(token_ids[start:start + block], weight)   # [n, C, D]
+            torch.sum(rows.mul_(scaled[start:start + block]), -1, out=out[start:start + block])
+        return out.float()
 
 
 def _add_masks(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
