@@ -7,6 +7,7 @@ import threading
 from concurrent.futures import wait
 
 import pytest
+import torch
 
 from xrec import DeadlineExceeded, Engine, Internal, RecRequest, ResourceExhausted, Unavailable
 from xrec.demo import write_random_model
@@ -22,6 +23,15 @@ def model_dir(tmp_path_factory):
 def _requests(num: int, width: int = 8) -> list[RecRequest]:
     return [RecRequest(token_ids=[(7 * i + j) % 60 for j in range(3 + i % 5)], beam_width=width,
                        request_id=f"r{i}") for i in range(num)]
+
+
+def in_thread(fn):
+    """fn() in a new thread (its own OpenMP state); its result."""
+    out = []
+    thread = threading.Thread(target=lambda: out.append(fn()))
+    thread.start()
+    thread.join(WAIT_S)
+    return out[0]
 
 
 def _summary(responses):
@@ -67,6 +77,21 @@ def test_two_pipelines_run_two_batches_at_once_with_equal_results(model_dir):
         assert len(done) == len(futures)
         assert gate.max_inside == 2  # never more than max_concurrency
         assert _summary([f.result() for f in futures]) == serial
+
+
+def test_pipeline_threads_leave_other_threads_thread_counts_alone(model_dir):
+    """Each of two pipelines runs on half the threads; nothing else in the process does
+    (torch.set_num_threads would have made every new thread single-threaded)."""
+    seen: list[int] = []
+    before = in_thread(torch.get_num_threads)
+    with Engine.from_pretrained(model_dir, device="cpu", max_concurrency=2, num_threads=2) \
+            as engine:
+        engine.executor.fault = lambda batch: seen.append(torch.get_num_threads())
+        engine.recommend(_requests(2))
+        elsewhere = in_thread(torch.get_num_threads)
+        fresh_op = in_thread(lambda: (torch.ones(4).add_(1), torch.get_num_threads())[1])
+    assert seen and set(seen) == {1}
+    assert elsewhere == fresh_op == before
 
 
 def test_failure_in_one_batch_fails_only_that_batch(model_dir):

@@ -269,6 +269,21 @@ def test_request_that_only_has_to_wait_is_never_failed(make_scheduler):
         assert request.future.result(WAIT_S) == request.request_id
 
 
+def test_a_burst_is_spread_over_the_free_pipelines(make_scheduler):
+    limits = make_limits(max_seqs_per_batch=8, max_concurrency=3)
+    scheduler, executor = make_scheduler(limits, is_started=False)
+    executor.gate.clear()                       # launched batches stay in flight
+    requests = [make_request(f"r{i}") for i in range(7)]
+    scheduler.submit_many(requests)
+    scheduler.start()
+    executor.wait_until(lambda: len(executor.batches) == 3)
+    executor.gate.set()
+    for request in requests:
+        assert request.future.result(WAIT_S) == request.request_id
+    assert [len(batch) for batch in executor.batches] == [3, 2, 2]   # 7/3, then 4/2, 2/1
+    assert executor.launched_ids() == [r.request_id for r in requests]
+
+
 def test_at_most_max_concurrency_batches_in_flight(make_scheduler):
     scheduler, executor = make_scheduler(make_limits(max_seqs_per_batch=1, max_concurrency=2))
     executor.gate.clear()

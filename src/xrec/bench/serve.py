@@ -33,8 +33,8 @@ import numpy as np
 
 from xrec.bench.cli import model_dir_of, progress_bar
 from xrec.bench.rawhttp import Connection, burst
-from xrec.bench.common import (environment, environment_markdown, markdown_table, output_paths,
-                               percentile, pyplot, write_outputs)
+from xrec.bench.common import (environment, environment_markdown, in_fresh_thread, markdown_table,
+                               output_paths, percentile, pyplot, write_outputs)
 
 ROUTE = "/v1/rec/completions"
 
@@ -228,8 +228,11 @@ def server_vs_offline(url: str, model_dir, max_concurrency: int | None, args: ar
     loop = asyncio.new_event_loop()
     connections = [Connection(host, port) for _ in encoded]   # kept alive across the runs
     try:
-        with Engine.from_pretrained(model_dir, **{k: v for k, v in options.items()
-                                                  if v is not None}) as engine:
+        # loaded in a thread that ends, like every contender of the offline benchmark: a
+        # torch op on this long-lived thread would keep an OpenMP team that slows the
+        # engine's pipelines (docs/decisions.md, Benchmarks)
+        with in_fresh_thread(lambda: Engine.from_pretrained(
+                model_dir, **{k: v for k, v in options.items() if v is not None})) as engine:
             for index in range(args.warmup + args.repeats):
                 start = time.perf_counter()
                 engine.recommend(requests)

@@ -22,6 +22,7 @@ import torch
 from xrec.catalog import ItemCatalog
 from xrec.engine.requests import ScheduledRequest
 from xrec.engine.responses import build_responses, ms
+from xrec.engine.threads import use_threads_in_this_thread
 from xrec.errors import DeadlineExceeded, Internal
 from xrec.search.batch import prepare_batch
 from xrec.search.step import RecStep
@@ -93,7 +94,7 @@ class Executor:
 
     def _serve(self, index: int, device: torch.device) -> None:
         if self.threads_per_pipeline:
-            torch.set_num_threads(self.threads_per_pipeline)
+            use_threads_in_this_thread(self.threads_per_pipeline)
         # Each pipeline owns its stream; everything of a batch is queued on it.
         stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         workspace = Workspace(device)  # this pipeline's reusable buffers, used on its stream only

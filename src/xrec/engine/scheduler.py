@@ -235,7 +235,7 @@ class FixedStepsScheduler:
             leftover = self._remove_all() if is_stopping else []
             num_events = self._num_events
             is_sweep_needed, self._is_sweep_needed = self._is_sweep_needed, False
-            is_pipeline_free = self._num_running < self._limits.max_concurrency
+            num_free = self._limits.max_concurrency - self._num_running
             is_closing = self._is_closing
         if is_stopping:
             _fail_all(leftover, Unavailable("server is shutting down"))
@@ -244,8 +244,8 @@ class FixedStepsScheduler:
         is_sweep_needed |= now >= self._next_deadline
         dropped: Dropped = self._sweep(now) if is_sweep_needed else []
         batch, hold_until = [], math.inf
-        if is_pipeline_free and self._waiting:
-            batch, hold_until = self._take_batch(now, is_closing, dropped)
+        if num_free > 0 and self._waiting:
+            batch, hold_until = self._take_batch(now, is_closing, dropped, num_free)
             for request in [r for r in batch if not r.mark_running()]:
                 batch.remove(request)  # cancelled just now
                 dropped.append((request, None))
@@ -289,14 +289,18 @@ class FixedStepsScheduler:
         self._waiting = kept
         return dropped
 
-    def _take_batch(self, now: float, is_closing: bool, dropped: Dropped,
+    def _take_batch(self, now: float, is_closing: bool, dropped: Dropped, num_free: int,
                     ) -> tuple[list[ScheduledRequest], float]:
         """Remove the next batch from the head of the waiting queue; return it and hold_until.
 
+        With `num_free` pipelines free, the batch takes at most its share of the queue
+        (1/num_free of the requests), so a burst is spread over the idle pipelines instead
+        of one running it all while the others wait.
         Returns no batch while now < hold_until (a partial batch may wait to fill).
         Dead requests met on the way are removed and appended to `dropped`.
         """
         builder = BatchBuilder(self._limits)
+        share = -(-len(self._waiting) // num_free)
         skipped: list[tuple[int, ScheduledRequest]] = []
         num_dropped_before, last_admitted, is_blocked = len(dropped), -1, False
         for position, request in enumerate(self._waiting):
@@ -307,7 +311,7 @@ class FixedStepsScheduler:
             try:
                 if builder.try_add(request, self._workspace_bytes):
                     last_admitted = position
-                    if builder.is_full:
+                    if builder.is_full or len(builder.requests) >= share:
                         break
                     continue
             except Exception as exc:  # an estimator bug fails this request only
