@@ -213,6 +213,7 @@ def test_native_token_ids(client):
     scores = [r["score"] for r in out["results"]]
     assert scores == sorted(scores, reverse=True)
     for r in out["results"]:
+        assert set(r) == {"tokens", "score", "token_logprobs", "items"}
         assert len(r["tokens"]) == ROUNDS == len(r["token_logprobs"])
         assert math.isclose(sum(r["token_logprobs"]), r["score"], rel_tol=1e-4, abs_tol=1e-4)
         assert r["items"] and set(r["items"][0]) == {"item_id", "did", "type"}

@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="engine option of the server and of the offline engine: how long a "
                             "free pipeline may hold a partial batch to fill it")
     serve.add_argument("--startup-timeout", type=float, default=120.0)
-    serve.set_defaults(run=_run("serve"), repeats=3)
+    # one comparison run is one ~0.1 s burst: 15 of them keep a noisy run off the median
+    serve.set_defaults(run=_run("serve"), repeats=15)
     return parser
 
 
