@@ -15,12 +15,13 @@ import torch
 class CrossKV:
     """Cross-attention K/V, computed once per request at round 0.
 
-    `k`, `v`: `[layers, B, kvH, L, Dh]` (encoder positions padded to the longest);
+    `k`, `v`: per decoder layer `[B, kvH, L, Dh]` (encoder positions padded to the
+    longest; strided views of the projections, not copied into one tensor);
     `key_mask`: `[B, 1, 1, L]` additive (0 / -inf) or None when no row is padded.
     """
 
-    k: torch.Tensor
-    v: torch.Tensor
+    k: tuple[torch.Tensor, ...]
+    v: tuple[torch.Tensor, ...]
     key_mask: torch.Tensor | None
 
 

@@ -158,7 +158,7 @@ class OneRecModel(nn.Module):
             k, v = block.layer[1].EncDecAttention.project_kv(encoder_output)  # [B, L, kvH, Dh]
             ks.append(k.transpose(1, 2))
             vs.append(v.transpose(1, 2))
-        return CrossKV(torch.stack(ks), torch.stack(vs), key_mask)           # [layers, B, kvH, L, Dh]
+        return CrossKV(tuple(ks), tuple(vs), key_mask)                       # [B, kvH, L, Dh] each
 
     # ---- decoder ---------------------------------------------------------
 
