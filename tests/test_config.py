@@ -325,6 +325,7 @@ ENGINE_REFUSALS = [
     ({"batch_wait_ms": -1}, "batch_wait_ms", "-1"),
     ({"request_timeout_ms": 0}, "request_timeout_ms", "0"),
     ({"each_conversion_threshold": -1}, "each_conversion_threshold", "-1"),
+    ({"retain_host_memory": "yes"}, "retain_host_memory", "'yes'"),
 ]
 
 

@@ -3,6 +3,8 @@ cancellation, shutdown. Instrumented with the executor's fault hook, never timed
 
 from __future__ import annotations
 
+import platform
+import resource
 import threading
 from concurrent.futures import wait
 
@@ -92,6 +94,20 @@ def test_pipeline_threads_leave_other_threads_thread_counts_alone(model_dir):
         fresh_op = in_thread(lambda: (torch.ones(4).add_(1), torch.get_num_threads())[1])
     assert seen and set(seen) == {1}
     assert elsewhere == fresh_op == before
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the thresholds are glibc's")
+def test_cpu_engine_keeps_freed_host_memory_mapped_for_reuse(model_dir):
+    """glibc maps a fresh 48 MB block page by page on every allocation (it is over its
+    32 MiB mmap ceiling); after a CPU engine starts, a freed block is reused instead."""
+    def faults_of_a_48mb_tensor() -> int:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        torch.ones(12 << 20)                    # 48 MB, freed at once
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    with Engine.from_pretrained(model_dir, device="cpu"):
+        faults_of_a_48mb_tensor()               # maps it (once)
+        assert faults_of_a_48mb_tensor() < 1000  # ~12,000 pages when it is mapped afresh
 
 
 def test_failure_in_one_batch_fails_only_that_batch(model_dir):

@@ -322,6 +322,8 @@ class EngineOptions:
     each_conversion_threshold: int = 50
     total_conversion_threshold: int = 1000
     num_threads: int | None = None       # CPU intra-op threads in all; default: all cores
+    retain_host_memory: bool = True      # CPU: freed memory stays mapped for the next batch
+                                         # (glibc thresholds, process-wide; engine/host_memory.py)
 
     def __post_init__(self) -> None:
         ranges = {"max_seqs_per_batch": (1, 1 << 16), "max_tokens_per_batch": (1, 1 << 30),
@@ -349,6 +351,9 @@ class EngineOptions:
                 and 0 < self.max_memory_utilization <= 1):
             raise ValueError(f"option max_memory_utilization: got {self.max_memory_utilization!r}, "
                              "allowed: 0 < value <= 1")
+        if not isinstance(self.retain_host_memory, bool):
+            raise ValueError(f"option retain_host_memory: got {self.retain_host_memory!r}, "
+                             "allowed: true, false")
         if self.normalize not in ("allowed", "full"):
             raise ValueError(f"option normalize: got {self.normalize!r}, allowed: 'allowed', 'full'")
         if self.dtype not in ("auto",) + DTYPES:

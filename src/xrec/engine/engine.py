@@ -22,6 +22,7 @@ from xrec.api_types import RecRequest, RecResponse, SearchLimits, validate
 from xrec.catalog import ItemCatalog
 from xrec.config import EngineOptions
 from xrec.engine.executor import BatchReport, Executor
+from xrec.engine.host_memory import retain_freed_memory
 from xrec.engine.requests import BatchLimits, ScheduledRequest
 from xrec.engine.scheduler import FixedStepsScheduler
 from xrec.errors import InvalidArgument, Unavailable
@@ -49,6 +50,8 @@ class Engine:
         self.model, self.catalog, self.options, self.model_name = model, catalog, options, model_name
         config = model.config
         device = model.shared.weight.device
+        if device.type == "cpu" and options.retain_host_memory:
+            retain_freed_memory()
         is_constrained = catalog is not None if options.constrained is None else options.constrained
         if is_constrained and catalog is None:
             raise ValueError("option constrained=true needs a catalog (none was found or given)")
