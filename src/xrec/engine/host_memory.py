@@ -23,7 +23,7 @@ import threading
 logger = logging.getLogger(__name__)
 
 MMAP_THRESHOLD = 256 << 20   # blocks up to this size come from the heap and are reused
-TRIM_THRESHOLD = 1 << 30     # free heap top kept mapped up to this size
+TRIM_THRESHOLD = 256 << 20   # free heap top kept mapped up to this size (per arena)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3   # mallopt parameters (malloc.h)
 _lock = threading.Lock()
 _is_done = False
