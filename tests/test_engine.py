@@ -4,7 +4,8 @@ cancellation, shutdown. Instrumented with the executor's fault hook, never timed
 from __future__ import annotations
 
 import platform
-import resource
+import subprocess
+import sys
 import threading
 from concurrent.futures import wait
 
@@ -96,18 +97,39 @@ def test_pipeline_threads_leave_other_threads_thread_counts_alone(model_dir):
     assert elsewhere == fresh_op == before
 
 
+_STEADY_STATE_FAULTS = """
+import resource, sys, torch
+from xrec import Engine
+
+def cycle():                                    # a step's pattern: big blocks, freed at once
+    big, small = torch.ones(12 << 20), torch.ones(3 << 20)   # 48 MB and 12 MB
+
+def faults() -> int:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    cycle()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+engine = Engine.from_pretrained(sys.argv[1], device="cpu", retain_host_memory=sys.argv[2] == "1")
+for _ in range(4):
+    cycle()
+print(max(faults() for _ in range(3)))
+engine.close()
+"""
+
+
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the thresholds are glibc's")
 def test_cpu_engine_keeps_freed_host_memory_mapped_for_reuse(model_dir):
-    """glibc maps a fresh 48 MB block page by page on every allocation (it is over its
-    32 MiB mmap ceiling); after a CPU engine starts, a freed block is reused instead."""
-    def faults_of_a_48mb_tensor() -> int:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        torch.ones(12 << 20)                    # 48 MB, freed at once
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    """Without it glibc maps a 48 MB block afresh, page by page, on every allocation (it
+    is over its 32 MiB mmap ceiling); after a CPU engine starts, freed blocks are reused.
+    Each case in a fresh process: malloc's state is process-wide."""
+    def steady_state_faults(retain: bool) -> int:
+        out = subprocess.run([sys.executable, "-c", _STEADY_STATE_FAULTS, str(model_dir),
+                              "1" if retain else "0"], capture_output=True, text=True,
+                             timeout=WAIT_S, check=True)
+        return int(out.stdout.split()[-1])
 
-    with Engine.from_pretrained(model_dir, device="cpu"):
-        faults_of_a_48mb_tensor()               # maps it (once)
-        assert faults_of_a_48mb_tensor() < 1000  # ~12,000 pages when it is mapped afresh
+    assert steady_state_faults(retain=False) > 10_000   # ~15,000 pages mapped per cycle
+    assert steady_state_faults(retain=True) < 1000
 
 
 def test_failure_in_one_batch_fails_only_that_batch(model_dir):
