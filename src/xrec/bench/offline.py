@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 
-from xrec.bench.cli import model_dir_of, progress_bar, slow_repeats_of
-from xrec.bench.common import (environment, environment_markdown, in_fresh_thread, markdown_table,
+from xrec.bench.cli import progress_bar, slow_repeats_of
+from xrec.bench.common import (environment, environment_markdown, markdown_table,
                                output_paths, pyplot, write_outputs)
 from xrec.bench.models import make_workload
-from xrec.bench.runner import load_contenders, num_runs, run_point
+from xrec.bench.runner import load_for, num_runs, run_point
 
 # spec/quality.md, "Targets": (W, L, B) -> the speed-up over HF each xrec mode must reach
 CASES = {
@@ -34,8 +34,7 @@ def run(args: argparse.Namespace) -> int:
                                 ["xrec", "xrec-full", "hf", "naive"])
     slow_repeats = slow_repeats_of(args)
     points = points_of(args)
-    contenders = in_fresh_thread(
-        lambda: load_contenders(names, model_dir_of(args), args.device, args.threads))
+    contenders = load_for(args, names)
     try:
         env = environment(args.device)
         bar = progress_bar(args, len(points) * num_runs(contenders, args.warmup, args.repeats,

@@ -80,6 +80,14 @@ def load_contenders(names: list[str], model_dir: Path, device: str, threads: int
     return Contenders(by_name, engine, model.config.vocab_size, info)
 
 
+def load_for(args, names: list[str]) -> Contenders:
+    """`load_contenders` for a bench command's arguments, in a thread that ends (no
+    OpenMP team left on the caller's thread)."""
+    from xrec.bench.cli import model_dir_of
+    return in_fresh_thread(
+        lambda: load_contenders(names, model_dir_of(args), args.device, args.threads))
+
+
 def run_point(contenders: Contenders, workload: Workload, warmup: int, repeats: int,
               slow_repeats: int, device: str, bar=None) -> dict[str, dict]:
     """Warm up each contender (its last warm-up run measures peak memory and gives the

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 
-from xrec.bench.cli import model_dir_of, progress_bar, slow_repeats_of
+from xrec.bench.cli import progress_bar, slow_repeats_of
 from xrec.bench.common import (environment, environment_markdown, in_fresh_thread, markdown_table,
                                output_paths, pyplot, write_outputs)
 from xrec.bench.models import make_workload
-from xrec.bench.runner import load_contenders, num_runs, run_point
+from xrec.bench.runner import load_for, num_runs, run_point
 
 MEMORY_TARGET = (512, 1024, 1)     # W, L, B
 AXES = ("beam_width", "input_len", "num_requests")
@@ -36,8 +36,7 @@ def run(args: argparse.Namespace) -> int:
     names = args.contenders or ["xrec", "xrec-full", "hf", "naive"]
     slow_repeats = slow_repeats_of(args)
     points = points_of(args)
-    contenders = in_fresh_thread(
-        lambda: load_contenders(names, model_dir_of(args), args.device, args.threads))
+    contenders = load_for(args, names)
     try:
         env = environment(args.device)
         # one untimed run of each contender first: one-time allocations stay out of the curves

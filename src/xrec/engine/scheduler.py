@@ -55,7 +55,6 @@ class FixedStepsScheduler:
         self._is_closing = False   # submit() refuses; partial batches are not held
         self._is_stopping = False  # the loop fails what still waits and exits
         self._num_holds = 0        # hold_wakeups() not yet released
-        self._is_wake_held = False # something was queued while held
         self._thread: threading.Thread | None = None
         # Owned by the loop thread only.
         self._waiting: collections.deque[ScheduledRequest] = collections.deque()
@@ -121,10 +120,8 @@ class FixedStepsScheduler:
                     request.enqueued_at = self._clock()
                     self._incoming.append(request)
                     self._num_pending += 1
-            if self._num_holds:
-                self._is_wake_held = True
-            else:
-                self._notify_loop()
+            if not self._num_holds:
+                self._notify_loop()   # else the last release_wakeups() does
         for request, error in zip(requests, errors):
             if error is None:  # runs at once if it was cancelled meanwhile
                 request.future.add_done_callback(self._on_future_done)
@@ -145,8 +142,7 @@ class FixedStepsScheduler:
             if self._num_holds < 1:
                 raise RuntimeError("release_wakeups() without hold_wakeups()")
             self._num_holds -= 1
-            if not self._num_holds and self._is_wake_held:
-                self._is_wake_held = False
+            if not self._num_holds:
                 self._notify_loop()
 
     def batch_done(self) -> None:

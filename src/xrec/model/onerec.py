@@ -104,7 +104,7 @@ class Stack(nn.Module):
         distances = torch.arange(1 - length, length, device=device)     # key - query, [2L-1]
         buckets = relative_position_bucket(distances, bidirectional=not self.is_decoder,
                                            num_buckets=self.num_buckets, max_distance=self.max_distance)
-        per_distance = attn.relative_attention_bias(buckets).float().to(dtype).T.contiguous()
+        per_distance = attn.relative_attention_bias(buckets).to(dtype).T.contiguous()
         windows = per_distance.unfold(-1, length, 1)                     # [H, L, L] view
         return windows if device.type == "cpu" else windows.contiguous()
 
