@@ -127,7 +127,7 @@ BAD_REQUESTS = [
     ("width-bool", dict(token_ids=[1], beam_width=True), ["beam_width"]),
     ("top-k-below-width", dict(token_ids=[1], beam_width=4, top_k=3), ["top_k"]),
     ("top-k-too-big", dict(token_ids=[1], beam_width=4, top_k=MAX_TOP_K + 1), ["top_k", str(MAX_TOP_K)]),
-    ("n-below-width", dict(token_ids=[1], beam_width=4, num_return_sequences=3), ["num_return_sequences"]),
+    ("n-zero", dict(token_ids=[1], beam_width=4, num_return_sequences=0), ["num_return_sequences"]),
     ("n-too-big", dict(token_ids=[1], beam_width=4, num_return_sequences=MAX_TOP_K + 1),
      ["num_return_sequences", str(MAX_TOP_K)]),
     ("n-float", dict(token_ids=[1], beam_width=4, num_return_sequences=4.5), ["num_return_sequences"]),

@@ -141,10 +141,13 @@ def test_trie_and_allowed_tokens():
 
     trie = build_trie(np.array([[3, 1, 2], [3, 1, 0], [0, 5, 5], [3, 1, 2]]))
     assert trie == {(): [0, 3], (0,): [5], (3,): [1], (0, 5): [5], (3, 1): [0, 2]}
-    allowed = prefix_allowed_tokens(trie, vocab_size=6)
+    allowed = prefix_allowed_tokens(trie, vocab_size=6, start=1)
     assert allowed(0, torch.tensor([0, 3, 1])) == [0, 2]       # decoder start, then the prefix
     assert allowed(0, torch.tensor([0])) == [0, 3]
     assert allowed(0, torch.tensor([0, 4])) == list(range(6))   # outside the catalog
+    after_prompt = prefix_allowed_tokens(trie, vocab_size=6, start=3)   # a decoder-only prompt of 3
+    assert after_prompt(0, torch.tensor([5, 5, 4, 3, 1])) == [0, 2]
+    assert after_prompt(0, torch.tensor([5, 5, 4])) == [0, 3]
 
 
 def test_overlap():

@@ -260,7 +260,7 @@ def test_from_file_errors(tmp_path):
 # ---------------------------------------------------------------------------
 
 ROUND_TRIP = {
-    **MODEL_SIZES,
+    **{name: cfg for name, cfg in MODEL_SIZES.items() if isinstance(cfg, ModelConfig)},
     "t5": ModelConfig.from_dict(dict(T5_RAW, decoder_start_token_id=3)),
     "everything": ModelConfig.from_dict({**SMALL, "decoder_num_heads": 2, "decoder_d_kv": 6,
                                          "num_key_value_heads": 2, "decoder_num_key_value_heads": 1,

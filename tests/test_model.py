@@ -27,7 +27,8 @@ from oracles.weights import random_state_dict, save_checkpoint, to_xllm_names
 from xrec.config import MODEL_SIZES, ModelConfig
 from xrec.model.kv import BeamKV
 from xrec.model.loader import CheckpointError, load_model, save_model
-from xrec.model.onerec import padding_mask
+from xrec.model.attention import padding_mask
+from xrec.model.onerec import EncoderDecoderContext
 
 RTOL = 3e-5          # float32 against float32 HF / float64 naive, relative to the largest magnitude
 # bfloat16 weights and activations against float32 HF: per vector, and the relative RMS over all.
@@ -94,7 +95,7 @@ def run_xrec(model, requests, contexts, feeds: torch.Tensor, parents: torch.Tens
     seqs = [[[] for _ in range(num_beams)] for _ in range(num_batch)]
     rounds = []
     for r in range(1, num_rounds + 1):
-        h = model.decode_step(model.embed(feeds[r - 1]), r, prefix_kv, beams, cross)   # [B, W, D]
+        h = model.decode_step(feeds[r - 1], r, EncoderDecoderContext(cross, prefix_kv), beams)  # [B, W, D]
         assert h.shape == (num_batch, num_beams, d_model)
         for b in range(num_batch):
             for w in range(num_beams):

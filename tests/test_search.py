@@ -353,7 +353,8 @@ def test_mixed_batch_matches_naive(naive_engines, variant, kind):
     valid = [validate(r, engine.limits) for r in requests]
     batch = prepare_batch(valid, D_MODEL)
     assert batch.beam_widths == [4, 8, 2, 6, 8, 1] and batch.num_results == [4, 12, 6, 6, 8, 3]
-    assert batch.full_rows == [1, 3, 5] and batch.embedding_rows == [2, 4] and batch.context_rows == [3, 4]
+    assert batch.full_rows == [1, 3, 5] and batch.inputs.embedding_rows == [2, 4]
+    assert batch.inputs.context_rows == [3, 4]
     check_against_naive(naive, engine, triples, requests)
 
 

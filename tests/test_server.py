@@ -213,7 +213,8 @@ def test_native_token_ids(client):
     scores = [r["score"] for r in out["results"]]
     assert scores == sorted(scores, reverse=True)
     for r in out["results"]:
-        assert set(r) == {"tokens", "score", "token_logprobs", "items"}
+        assert set(r) == {"tokens", "score", "token_logprobs", "items", "text"}
+        assert r["text"] is None   # an encoder-decoder model without a tokenizer
         assert len(r["tokens"]) == ROUNDS == len(r["token_logprobs"])
         assert math.isclose(sum(r["token_logprobs"]), r["score"], rel_tol=1e-4, abs_tol=1e-4)
         assert r["items"] and set(r["items"][0]) == {"item_id", "did", "type"}
@@ -396,7 +397,7 @@ MALFORMED = [
      "INVALID_ARGUMENT"),
     ("topk-too-big", NATIVE, {"token_ids": [1], "beam_width": 4, "top_k": 5000}, 400,
      "INVALID_ARGUMENT"),
-    ("n-below-w", NATIVE, {"token_ids": [1], "beam_width": 4, "num_return_sequences": 2}, 400,
+    ("n-zero", NATIVE, {"token_ids": [1], "beam_width": 4, "num_return_sequences": 0}, 400,
      "INVALID_ARGUMENT"),
     ("n-too-big", NATIVE, {"token_ids": [1], "beam_width": 4, "num_return_sequences": 5000},
      400, "INVALID_ARGUMENT"),

@@ -17,7 +17,9 @@ NORMALIZATIONS = ("allowed", "full")
 
 @dataclass
 class RecRequest:
-    """One user's recommendation request. Exactly one of `token_ids` / `sparse_embedding`.
+    """One user's recommendation request. Exactly one input: `token_ids`, or
+    `sparse_embedding` (encoder-decoder models), or `prompt` text or chat `messages`
+    (models with a tokenizer; tokenized at the edge, before the request is queued).
 
     Unset search knobs take the engine's defaults: `beam_width` ->
     `default_beam_width`, `top_k` and `num_return_sequences` -> `beam_width`,
@@ -27,6 +29,8 @@ class RecRequest:
     token_ids: Sequence[int] | None = None
     sparse_embedding: Any = None                 # array-like [L, d_model], float32
     decoder_context_embedding: Any = None        # array-like [C, d_model], float32
+    prompt: str | None = None                    # text, tokenized with the model's tokenizer.json
+    messages: Sequence[dict] | None = None       # chat, rendered with the model's chat template
     beam_width: int | None = None
     top_k: int | None = None
     num_return_sequences: int | None = None
@@ -47,12 +51,14 @@ class RecItem:
 
 @dataclass(frozen=True)
 class RecCandidate:
-    """One finished beam: the semantic ID, its score (sum of per-round log-probs), its items."""
+    """One finished beam: the semantic ID, its score (sum of per-round log-probs), its items,
+    and its tokens as text (`"<s_a_340><s_b_6566><s_c_5603>"`) when the model has a tokenizer."""
 
     tokens: tuple[int, ...]
     score: float
     token_logprobs: tuple[float, ...]
     items: list[RecItem] = field(default_factory=list)
+    text: str | None = None
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,14 @@ class RecResponse:
 
 @dataclass(frozen=True)
 class SearchLimits:
-    """What the engine accepts; built from the engine options and the model config."""
+    """What the engine accepts; built from the engine options and the model config.
+
+    `accepts_embeddings`: the family reads `sparse_embedding` / context rows
+    (encoder-decoder) or token ids only (decoder-only). `decoder_start_len`: rows of
+    the decoder prefix when no context is given (1: BOS; 0: the prompt is the prefix).
+    `max_positions`: prompt positions the model can hold with its generated tokens
+    (None: no limit). `generation_prefix`: ids appended to every prompt.
+    """
 
     vocab_size: int
     d_model: int
@@ -74,6 +87,10 @@ class SearchLimits:
     max_top_k: int
     default_beam_width: int
     default_normalize: str
+    accepts_embeddings: bool = True
+    decoder_start_len: int = 1
+    max_positions: int | None = None
+    generation_prefix: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -81,7 +98,7 @@ class ValidRequest:
     """A request after validation: defaults applied, arrays as contiguous float32 / int64."""
 
     request_id: str
-    token_ids: np.ndarray | None          # [L] int64
+    token_ids: np.ndarray | None          # [L] int64 (a prompt's ids, generation prefix included)
     sparse_embedding: np.ndarray | None   # [L, D] float32
     context: np.ndarray | None            # [C, D] float32
     beam_width: int
@@ -92,43 +109,58 @@ class ValidRequest:
     return_items: bool
     timeout_ms: float | None
     seed: int | None
+    prefix_len: int = 1                   # decoder-prefix rows (BOS, context rows, or 0)
 
     @property
     def input_len(self) -> int:
         return len(self.token_ids) if self.token_ids is not None else len(self.sparse_embedding)
 
-    @property
-    def prefix_len(self) -> int:
-        return 1 if self.context is None else len(self.context)
 
-
-def validate(request: RecRequest, limits: SearchLimits) -> ValidRequest:
-    """Check every field; raise `InvalidArgument` naming the field, the value and what is allowed."""
+def validate(request: RecRequest, limits: SearchLimits, tokenizer: Any = None) -> ValidRequest:
+    """Check every field; raise `InvalidArgument` naming the field, the value and what is allowed.
+    `tokenizer` (a `PromptTokenizer`, or None) turns `prompt` / `messages` into token ids."""
     rid = request.request_id
     if rid is not None and (not isinstance(rid, str) or not rid or len(rid) > 256):
         raise InvalidArgument(f"request_id: got {rid!r}, expected a non-empty string of at most 256 chars")
     rid = rid or uuid.uuid4().hex
     try:
-        return _validate(request, limits, rid)
+        return _validate(request, limits, rid, tokenizer)
     except InvalidArgument as e:
         e.request_id = rid
         raise
 
 
-def _validate(request: RecRequest, limits: SearchLimits, rid: str) -> ValidRequest:
-    has_ids, has_emb = request.token_ids is not None, request.sparse_embedding is not None
-    if has_ids == has_emb:
-        raise InvalidArgument("give exactly one of token_ids / sparse_embedding, got "
-                              + ("both" if has_ids else "neither"))
-    token_ids = _token_ids(request.token_ids, limits) if has_ids else None
-    embedding = _matrix("sparse_embedding", request.sparse_embedding, limits.d_model) if has_emb else None
-    length = len(token_ids) if has_ids else len(embedding)
-    field_name = "token_ids" if has_ids else "sparse_embedding"
+def _validate(request: RecRequest, limits: SearchLimits, rid: str, tokenizer: Any) -> ValidRequest:
+    inputs = ("token_ids", "sparse_embedding", "prompt", "messages")
+    given = [name for name in inputs if getattr(request, name) is not None]
+    if len(given) != 1:
+        offered = "token_ids / sparse_embedding" if limits.accepts_embeddings else \
+            "token_ids / prompt / messages"
+        got = "neither" if not given else "both " + " and ".join(given)
+        raise InvalidArgument(f"give exactly one of {offered}, got {got}")
+    field_name = given[0]
+    if not limits.accepts_embeddings:
+        for name in ("sparse_embedding", "decoder_context_embedding"):
+            if getattr(request, name) is not None:
+                raise InvalidArgument(f"{name}: this model is decoder-only and reads token ids; "
+                                      "give token_ids, prompt or messages")
+    token_ids = embedding = None
+    if field_name == "sparse_embedding":
+        embedding = _matrix("sparse_embedding", request.sparse_embedding, limits.d_model)
+        length = len(embedding)
+    else:
+        token_ids = _prompt_ids(request, field_name, limits, tokenizer)
+        length = len(token_ids)
     if length == 0:
         raise InvalidArgument(f"{field_name}: empty input; at least one position is required")
     if length > limits.max_input_len:
-        raise InvalidArgument(f"{field_name}: {length} positions, more than max_input_len="
-                              f"{limits.max_input_len}")
+        raise InvalidArgument(f"{field_name}: {length} positions"
+                              f"{' (with the generation prefix)' if limits.generation_prefix else ''}, "
+                              f"more than max_input_len={limits.max_input_len}")
+    if limits.max_positions is not None and length > limits.max_positions:
+        raise InvalidArgument(f"{field_name}: {length} positions, more than the model holds with its "
+                              f"generated tokens ({limits.max_positions}: max_position_embeddings "
+                              "less the decode rounds after the first)")
     context = None
     if request.decoder_context_embedding is not None:
         context = _matrix("decoder_context_embedding", request.decoder_context_embedding, limits.d_model)
@@ -139,7 +171,7 @@ def _validate(request: RecRequest, limits: SearchLimits, rid: str) -> ValidReque
                                   f"max_input_len={limits.max_input_len}")
     width = _int("beam_width", request.beam_width, limits.default_beam_width, 1, limits.max_beam_width)
     top_k = _int("top_k", request.top_k, width, width, limits.max_top_k)
-    num_results = _int("num_return_sequences", request.num_return_sequences, width, width,
+    num_results = _int("num_return_sequences", request.num_return_sequences, width, 1,
                        limits.max_top_k)
     normalize = request.normalize if request.normalize is not None else limits.default_normalize
     if normalize not in NORMALIZATIONS:
@@ -155,9 +187,30 @@ def _validate(request: RecRequest, limits: SearchLimits, rid: str) -> ValidReque
     seed = request.seed
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise InvalidArgument(f"seed: got {seed!r}, expected an integer >= 0")
+    prefix_len = limits.decoder_start_len if context is None else len(context)
     return ValidRequest(rid, token_ids, embedding, context, width, top_k, num_results, normalize,
                         float(temperature), request.return_items,
-                        None if timeout is None else float(timeout), seed)
+                        None if timeout is None else float(timeout), seed, prefix_len)
+
+
+def _prompt_ids(request: RecRequest, field_name: str, limits: SearchLimits,
+                tokenizer: Any) -> np.ndarray:
+    """The request's ids (`token_ids`, or the tokenized `prompt` / `messages`), with the
+    engine's generation prefix appended."""
+    if field_name == "token_ids":
+        ids = _token_ids(request.token_ids, limits)
+    else:
+        if tokenizer is None:
+            raise InvalidArgument(f"{field_name}: this model directory has no tokenizer.json; "
+                                  "give token_ids")
+        encoded = tokenizer.encode(request.prompt) if field_name == "prompt" else \
+            tokenizer.encode_chat(request.messages)
+        ids = _token_ids(encoded, limits, field_name)
+    if len(ids) == 0:
+        raise InvalidArgument(f"{field_name}: empty input; at least one position is required")
+    if limits.generation_prefix:
+        ids = np.concatenate([ids, np.asarray(limits.generation_prefix, dtype=np.int64)])
+    return ids
 
 
 def _is_real(value: Any) -> bool:
@@ -175,18 +228,19 @@ def _int(name: str, value: Any, default: int, low: int, high: int) -> int:
     return int(value)
 
 
-def _token_ids(values: Any, limits: SearchLimits) -> np.ndarray:
+def _token_ids(values: Any, limits: SearchLimits, name: str = "token_ids") -> np.ndarray:
     try:
         array = np.asarray(values)
     except (TypeError, ValueError) as e:
-        raise InvalidArgument(f"token_ids: not a list of integers ({e})") from None
+        raise InvalidArgument(f"{name}: not a list of integers ({e})") from None
     if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-        raise InvalidArgument(f"token_ids: expected a flat list of integers, got an array of "
+        raise InvalidArgument(f"{name}: expected a flat list of integers, got an array of "
                               f"shape {list(array.shape)} and type {array.dtype}")
     array = array.astype(np.int64)
     bad = np.flatnonzero((array < 0) | (array >= limits.vocab_size))
     if bad.size:
-        raise InvalidArgument(f"token_ids[{bad[0]}]: got {array[bad[0]]}, allowed range "
+        what = f"{name}[{bad[0]}]" if name == "token_ids" else f"{name}: token {bad[0]} of the encoding"
+        raise InvalidArgument(f"{what}: got {array[bad[0]]}, allowed range "
                               f"[0, {limits.vocab_size - 1}] (vocab_size={limits.vocab_size})")
     return array
 

@@ -7,7 +7,9 @@ is imported only by `ItemCatalog.constraint_tables` and `ConstraintTables.to`.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +26,10 @@ if TYPE_CHECKING:
 __all__ = ["CatalogError", "ConstraintTables", "ItemCatalog", "MAX_VOCAB_SIZE", "random_catalog"]
 
 TEXT_SUFFIXES = (".txt", ".csv")
+# a vocab_file with one of these suffixes is a tokenizer vocabulary (from_model_dir)
+TOKENIZER_VOCABULARY_SUFFIXES = (".json", ".model", ".tiktoken", ".vocab")
+_CATALOG_TEXT_LINE = re.compile(r"-?\d+(\s*,\s*-?\d+){3}")
+logger = logging.getLogger(__name__)
 _MAX_RANDOM_ITEM_ID = 1 << 62
 
 
@@ -56,6 +62,24 @@ def _find_sorted(sorted_values: np.ndarray, queries: np.ndarray) -> np.ndarray:
     is_found = np.zeros(len(queries), dtype=bool)  # [N]
     is_found[is_inside] = sorted_values[positions[is_inside]] == queries[is_inside]
     return np.where(is_found, positions, -1)
+
+
+def _is_tokenizer_vocabulary(path: Path) -> bool:
+    """A `vocab_file` that is a tokenizer's vocabulary, not a catalog (see from_model_dir)."""
+    suffix = path.suffix.lower()
+    if suffix in TOKENIZER_VOCABULARY_SUFFIXES:
+        return True
+    if suffix != ".txt" or not path.is_file():
+        return False
+    try:
+        with open(path, encoding="utf-8", errors="replace") as lines:
+            for line in lines:
+                stripped = line.strip()
+                if stripped and not stripped.startswith("#"):
+                    return _CATALOG_TEXT_LINE.fullmatch(stripped) is None
+    except OSError:
+        return False  # read() names the error
+    return False
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:
@@ -153,9 +177,17 @@ class ItemCatalog:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | os.PathLike, vocab_size: int) -> ItemCatalog | None:
-        """The catalog named by `tokenizer_config.json` ("vocab_file", "extended_item_info").
+        """The catalog named by the directory's `tokenizer_config.json`, or None.
 
-        None when the directory has no tokenizer_config.json or it has no "vocab_file".
+        `"item_catalog"` (xrec's key, safe beside Hugging Face's tokenizer keys)
+        names it; without it, `"vocab_file"` (xllm's key) does, unless that is
+        a tokenizer's own vocabulary, which some tokenizer configs name with the
+        same key: a `.json`, `.model`, `.tiktoken` or `.vocab` file (never a
+        catalog format), or a `.txt` file whose first line that is not blank or
+        a `#` comment is not `item_id,t0,t1,t2` (BERT's vocab.txt holds one token
+        per line). Everything else is read as a catalog (binary, or text for
+        .txt/.csv) and a file that is missing or bad is an error.
+        `"extended_item_info": true` reads extended records.
         """
         config_path = Path(model_dir) / "tokenizer_config.json"
         if not config_path.is_file():
@@ -164,15 +196,23 @@ class ItemCatalog:
             config = json.loads(config_path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise CatalogError(f"{config_path}: cannot read it as JSON ({exc})") from exc
-        if not isinstance(config, dict) or "vocab_file" not in config:
+        if not isinstance(config, dict):
             return None
-        vocab_file, extended = config["vocab_file"], config.get("extended_item_info", False)
-        if not isinstance(vocab_file, str) or not vocab_file:
-            raise CatalogError(f"{config_path}: vocab_file = {vocab_file!r}, expected a path")
+        key = "item_catalog" if "item_catalog" in config else "vocab_file"
+        if key not in config:
+            return None
+        catalog_file, extended = config[key], config.get("extended_item_info", False)
+        if not isinstance(catalog_file, str) or not catalog_file:
+            raise CatalogError(f"{config_path}: {key} = {catalog_file!r}, expected a path")
         if not isinstance(extended, bool):
             raise CatalogError(f"{config_path}: extended_item_info = {extended!r}, "
                                f"expected true or false")
-        return cls.read(Path(model_dir) / vocab_file, vocab_size, extended)
+        path = Path(model_dir) / catalog_file
+        if key == "vocab_file" and _is_tokenizer_vocabulary(path):
+            logger.info("%s: vocab_file %s is a tokenizer vocabulary, not an item catalog; no "
+                        "catalog (name one with \"item_catalog\")", config_path, catalog_file)
+            return None
+        return cls.read(path, vocab_size, extended)
 
     # --- writing ------------------------------------------------------------------------
 

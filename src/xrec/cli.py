@@ -1,8 +1,9 @@
-"""`xrec` command line: serve | recommend | make-model | bench. Heavy imports stay inside commands."""
+"""`xrec` command line: serve | recommend | make-model | catalog | bench. Heavy imports stay inside commands."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from dataclasses import fields
@@ -46,8 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--model", help="model directory (default: the built-in demo model)")
     rec.add_argument("--catalog", help="catalog file (default: the model directory's)")
     source = rec.add_mutually_exclusive_group()
-    source.add_argument("--token-ids", help="comma-separated encoder token ids, e.g. 1,2,3")
+    source.add_argument("--token-ids", help="comma-separated input token ids, e.g. 1,2,3")
     source.add_argument("--embedding", help=".npy file holding a [L, d_model] float32 array")
+    source.add_argument("--prompt", help="prompt text (models with a tokenizer.json)")
+    source.add_argument("--chat", help="one user chat message (models with a chat template)")
+    rec.add_argument("--generation-prefix", type=_prefix, help="decoder-only models: appended to "
+                     "the prompt, text or a JSON list of ids (OpenOneRec: '<|sid_begin|>')")
     rec.add_argument("--beam-width", type=int, default=128)
     rec.add_argument("--top-n", type=int, default=10, help="rows to print")
     rec.add_argument("--normalize", choices=("allowed", "full"), default="allowed")
@@ -68,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_options(serve)
     serve.set_defaults(run=_serve)
 
+    from xrec.catalog_cli import add_catalog_parser
+    add_catalog_parser(sub)
+
     # listed for --help; main() hands `xrec bench ...` to the bench command's own parser
     sub.add_parser("bench", help="benchmarks: offline | scaling | serve | breakdown")
     for p in (make, rec, serve):
@@ -80,7 +88,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine options")
     for f in fields(EngineOptions):
         flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool | None", "bool"):
+        if f.name == "generation_prefix":
+            group.add_argument(flag, type=_prefix, default=None, metavar="TEXT|[IDS]",
+                               help="decoder-only models: appended to every prompt, as text "
+                               "(e.g. '<|sid_begin|>') or a JSON list of token ids")
+        elif f.type in ("bool | None", "bool"):
             group.add_argument(flag, type=_bool, default=None, metavar="true|false")
         elif "int" in str(f.type):
             group.add_argument(flag, type=int, default=None)
@@ -94,6 +106,19 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options given on the command line (unset flags keep the defaults)."""
     return {f.name: getattr(args, f.name) for f in fields(EngineOptions)
             if getattr(args, f.name, None) is not None}
+
+
+def _prefix(text: str) -> str | tuple[int, ...]:
+    """Text, or a JSON list of token ids ("[151669]")."""
+    if not text.startswith("["):
+        return text
+    try:
+        ids = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected text or a JSON list of token ids, got {text!r}") from None
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of token ids, got {text!r}")
+    return tuple(ids)
 
 
 def _bool(text: str) -> bool:
@@ -119,25 +144,28 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def _recommend(args: argparse.Namespace) -> int:
-    import json
-
     import numpy as np
 
     from xrec import Engine, RecRequest
     from xrec.errors import XrecError
 
     model_dir = _model_dir(args)
+    search = dict(beam_width=args.beam_width, normalize=args.normalize)
     if args.embedding:
-        request = RecRequest(sparse_embedding=np.load(args.embedding), beam_width=args.beam_width,
-                             normalize=args.normalize)
+        request = RecRequest(sparse_embedding=np.load(args.embedding), **search)
+    elif args.prompt is not None:
+        request = RecRequest(prompt=args.prompt, **search)
+    elif args.chat is not None:
+        request = RecRequest(messages=[{"role": "user", "content": args.chat}], **search)
     else:
         text = args.token_ids or "1,2,3"
         try:
             ids = [int(t) for t in text.split(",") if t.strip()]
         except ValueError:
             raise ValueError(f"--token-ids: expected comma-separated integers, got {text!r}") from None
-        request = RecRequest(token_ids=ids, beam_width=args.beam_width, normalize=args.normalize)
-    with Engine.from_pretrained(model_dir, catalog=args.catalog, device=args.device) as engine:
+        request = RecRequest(token_ids=ids, **search)
+    with Engine.from_pretrained(model_dir, catalog=args.catalog, device=args.device,
+                                generation_prefix=args.generation_prefix) as engine:
         try:
             response = engine.recommend([request])[0]
         except XrecError as e:
@@ -145,7 +173,7 @@ def _recommend(args: argparse.Namespace) -> int:
             return 1
     rows = response.results[:args.top_n]
     if args.json:
-        print(json.dumps([{"tokens": list(r.tokens), "score": r.score,
+        print(json.dumps([{"tokens": list(r.tokens), "text": r.text, "score": r.score,
                            "items": [i.item_id for i in r.items]} for r in rows]))
         return 0
     print(f"model {model_dir}: {len(response.results)} results in {response.timing['run_ms']:.1f} ms "
@@ -154,7 +182,8 @@ def _recommend(args: argparse.Namespace) -> int:
     for rank, r in enumerate(rows, 1):
         ids = ", ".join(str(i.item_id) for i in r.items[:3]) + (" ..." if len(r.items) > 3 else "")
         lps = " ".join(f"{x:7.3f}" for x in r.token_logprobs)
-        print(f"{rank:>4}  {str(r.tokens):<20} {r.score:>9.4f}  {lps:<26} {ids}")
+        sid = r.text or str(r.tokens)
+        print(f"{rank:>4}  {sid:<20} {r.score:>9.4f}  {lps:<26} {ids}")
     return 0
 
 

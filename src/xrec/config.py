@@ -13,12 +13,10 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-DTYPES = ("float32", "bfloat16", "float16")
+from xrec.config_keys import DTYPES, check_positive, dtype_name, get_key
+from xrec.qwen_config import MODEL_TYPES as QWEN_MODEL_TYPES
+from xrec.qwen_config import QwenConfig
 
-
-def _check_positive(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"config key {name!r}: got {value!r}, expected an integer >= 1")
 
 
 @dataclass(frozen=True)
@@ -57,7 +55,7 @@ class ModelConfig:
                      "head_dim", "num_kv_heads", "decoder_num_heads", "decoder_head_dim",
                      "decoder_num_kv_heads", "vocab_size", "relative_attention_num_buckets",
                      "relative_attention_max_distance"):
-            _check_positive(_ONEREC_RENAMES.get(name, name), getattr(self, name))  # the config.json key
+            check_positive(_ONEREC_RENAMES.get(name, name), getattr(self, name))  # the config.json key
         for heads, kv, prefix in ((self.num_heads, self.num_kv_heads, ""),
                                   (self.decoder_num_heads, self.decoder_num_kv_heads, "decoder_")):
             if heads % kv:
@@ -86,8 +84,8 @@ class ModelConfig:
         if self.torch_dtype not in DTYPES:
             raise ValueError(f"config key 'torch_dtype': got {self.torch_dtype!r}, allowed: {DTYPES}")
         if self.use_moe:
-            _check_positive("moe_num_experts", self.moe_num_experts)
-            _check_positive("moe_inter_dim", self.moe_inter_dim)
+            check_positive("moe_num_experts", self.moe_num_experts)
+            check_positive("moe_inter_dim", self.moe_inter_dim)
             if not 1 <= self.moe_topk <= self.moe_num_experts:
                 raise ValueError(f"config key 'moe_topk': got {self.moe_topk}, expected "
                                  f"1 <= moe_topk <= moe_num_experts={self.moe_num_experts}")
@@ -98,6 +96,34 @@ class ModelConfig:
                 raise ValueError("config key 'moe_num_shared_experts': got "
                                  f"{self.moe_num_shared_experts} with moe_use_shared_experts=true; "
                                  "expected >= 1")
+
+    # what the search and the edge need to know of a family
+    is_encoder_decoder = True
+    accepts_embeddings = True    # sparse_embedding / decoder_context_embedding inputs
+    decoder_start_len = 1        # the decoder prefix is BOS unless context rows replace it
+    max_positions = None         # relative positions: no limit from the model
+
+    @property
+    def beam_kv_shape(self) -> tuple[int, int, int]:
+        """(layers, kv heads, head dim) of the decoder's per-beam K/V."""
+        return self.num_decoder_layers, self.decoder_num_kv_heads, self.decoder_head_dim
+
+    def context_bytes(self, num_requests: int, max_input_len: int, max_prefix_len: int,
+                      elem: int) -> int:
+        """Round 0 (bytes): encoder activations and scores, cross K/V, decoder-prefix K/V."""
+        tokens = num_requests * max_input_len
+        d, heads = self.d_model, max(self.num_heads, self.decoder_num_heads)
+        kv_width = self.decoder_num_kv_heads * self.decoder_head_dim
+        encoder = tokens * (6 * d + 3 * self.d_ff) * elem + num_requests * heads * max_input_len ** 2 * 4
+        cross = self.num_decoder_layers * 2 * tokens * kv_width * elem
+        prefix = self.num_decoder_layers * 2 * num_requests * max_prefix_len * kv_width * elem
+        return encoder + cross + prefix
+
+    def decode_bytes(self, num_beams: int, max_input_len: int, elem: int) -> int:
+        """One decode round of `num_beams` beams in all: activations and cross-attention scores."""
+        ffn = self.moe_inter_dim * self.moe_topk if self.use_moe else self.d_ff
+        heads = max(self.num_heads, self.decoder_num_heads)
+        return num_beams * (8 * self.d_model + 3 * ffn) * elem + num_beams * heads * max_input_len * 4
 
     @property
     def attention_scale(self) -> float:
@@ -140,16 +166,7 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ValueError(f"no config.json at {path}") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
-        return cls.from_dict(raw)
+        return cls.from_dict(_read_json(path))
 
     def to_dict(self) -> dict[str, Any]:
         """The `"onerec"` dialect, readable by xllm and by `from_dict`."""
@@ -166,6 +183,35 @@ class ModelConfig:
         return ModelConfig(**d)
 
 
+def _read_json(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"no config.json at {path}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def model_config_from_dict(raw: dict[str, Any]) -> ModelConfig | QwenConfig:
+    """The config of either family, told apart by `model_type` (absent: xllm's "onerec")."""
+    model_type = raw.get("model_type", "onerec")
+    if model_type in ("onerec", "t5"):
+        return ModelConfig.from_dict(raw)
+    if model_type in QWEN_MODEL_TYPES:
+        return QwenConfig.from_dict(raw)
+    raise ValueError(f"config key 'model_type': got {model_type!r}, allowed: 'onerec', 't5' "
+                     f"(encoder-decoder), {', '.join(map(repr, QWEN_MODEL_TYPES))} (decoder-only)")
+
+
+def read_model_config(path: str | Path) -> ModelConfig | QwenConfig:
+    """A model directory's config.json (`path` names the file) in either family."""
+    return model_config_from_dict(_read_json(path))
+
+
 # our field name -> xllm key
 _ONEREC_RENAMES = {
     "num_encoder_layers": "num_layers",
@@ -177,34 +223,17 @@ _ONEREC_RENAMES = {
 _FIELD_NAMES = {f.name for f in fields(ModelConfig)}
 
 
-def _get(raw: dict[str, Any], key: str, default: Any, kind: type) -> Any:
-    value = raw.get(key, default)
-    if value is None:
-        value = default
-    if kind is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"config key {key!r}: got {value!r}, expected true or false")
-    elif kind is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"config key {key!r}: got {value!r}, expected an integer")
-    elif kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"config key {key!r}: got {value!r}, expected a number")
-        value = float(value)
-    return value
-
-
 def _common_fields(raw: dict[str, Any]) -> dict[str, Any]:
     return {
-        "d_model": _get(raw, "d_model", 128, int),
-        "d_ff": _get(raw, "d_ff", 256, int),
-        "vocab_size": _get(raw, "vocab_size", 8200, int),
-        "layer_norm_epsilon": _get(raw, "layer_norm_epsilon", 1e-6, float),
-        "use_absolute_position_embedding": _get(raw, "use_absolute_position_embedding", False, bool),
-        "tie_word_embeddings": _get(raw, "tie_word_embeddings", True, bool),
-        "scale_decoder_outputs": _get(raw, "scale_decoder_outputs", True, bool),
-        "relative_attention_num_buckets": _get(raw, "relative_attention_num_buckets", 32, int),
-        "relative_attention_max_distance": _get(raw, "relative_attention_max_distance", 128, int),
+        "d_model": get_key(raw, "d_model", 128, int),
+        "d_ff": get_key(raw, "d_ff", 256, int),
+        "vocab_size": get_key(raw, "vocab_size", 8200, int),
+        "layer_norm_epsilon": get_key(raw, "layer_norm_epsilon", 1e-6, float),
+        "use_absolute_position_embedding": get_key(raw, "use_absolute_position_embedding", False, bool),
+        "tie_word_embeddings": get_key(raw, "tie_word_embeddings", True, bool),
+        "scale_decoder_outputs": get_key(raw, "scale_decoder_outputs", True, bool),
+        "relative_attention_num_buckets": get_key(raw, "relative_attention_num_buckets", 32, int),
+        "relative_attention_max_distance": get_key(raw, "relative_attention_max_distance", 128, int),
     }
 
 
@@ -213,31 +242,31 @@ def _onerec_fields(raw: dict[str, Any]) -> dict[str, Any]:
     if score_func != "softmax":
         raise ValueError(f"config key 'moe_score_func': got {score_func!r}, allowed: 'softmax' "
                          "(xrec does not implement other router score functions)")
-    heads = _get(raw, "num_heads", 4, int)
-    kv = _get(raw, "num_key_value_heads", heads, int)
-    dec_heads = _get(raw, "decoder_num_heads", heads, int)
-    d_kv = _get(raw, "d_kv", 32, int)
+    heads = get_key(raw, "num_heads", 4, int)
+    kv = get_key(raw, "num_key_value_heads", heads, int)
+    dec_heads = get_key(raw, "decoder_num_heads", heads, int)
+    d_kv = get_key(raw, "d_kv", 32, int)
     # xllm: decoder kv heads fall back to num_key_value_heads, then to the decoder's heads.
     dec_kv_default = raw.get("num_key_value_heads") or dec_heads
     out = _common_fields(raw)
     out.update(
-        num_encoder_layers=_get(raw, "num_layers", 12, int),
-        num_decoder_layers=_get(raw, "num_decoder_layers", 4, int),
+        num_encoder_layers=get_key(raw, "num_layers", 12, int),
+        num_decoder_layers=get_key(raw, "num_decoder_layers", 4, int),
         num_heads=heads,
         head_dim=d_kv,
         num_kv_heads=kv,
         decoder_num_heads=dec_heads,
-        decoder_head_dim=_get(raw, "decoder_d_kv", d_kv, int),
-        decoder_num_kv_heads=_get(raw, "decoder_num_key_value_heads", dec_kv_default, int),
-        bos_token_id=_get(raw, "bos_token_id", 0, int),
-        use_moe=_get(raw, "use_moe", False, bool),
-        moe_num_experts=_get(raw, "moe_num_experts", 8, int),
-        moe_topk=_get(raw, "moe_topk", 2, int),
-        moe_inter_dim=_get(raw, "moe_inter_dim", 1024, int),
-        moe_route_scale=_get(raw, "moe_route_scale", 1.0, float),
-        moe_use_shared_experts=_get(raw, "moe_use_shared_experts", False, bool),
-        moe_num_shared_experts=_get(raw, "moe_num_shared_experts", 0, int),
-        torch_dtype=_dtype_name(raw.get("torch_dtype", "bfloat16")),
+        decoder_head_dim=get_key(raw, "decoder_d_kv", d_kv, int),
+        decoder_num_kv_heads=get_key(raw, "decoder_num_key_value_heads", dec_kv_default, int),
+        bos_token_id=get_key(raw, "bos_token_id", 0, int),
+        use_moe=get_key(raw, "use_moe", False, bool),
+        moe_num_experts=get_key(raw, "moe_num_experts", 8, int),
+        moe_topk=get_key(raw, "moe_topk", 2, int),
+        moe_inter_dim=get_key(raw, "moe_inter_dim", 1024, int),
+        moe_route_scale=get_key(raw, "moe_route_scale", 1.0, float),
+        moe_use_shared_experts=get_key(raw, "moe_use_shared_experts", False, bool),
+        moe_num_shared_experts=get_key(raw, "moe_num_shared_experts", 0, int),
+        torch_dtype=dtype_name(raw.get("torch_dtype", "bfloat16")),
     )
     return out
 
@@ -250,28 +279,19 @@ def _t5_fields(raw: dict[str, Any]) -> dict[str, Any]:
     for key in ("d_model", "d_kv", "num_heads", "num_layers", "vocab_size"):
         if key not in raw:
             raise ValueError(f"config key {key!r} is missing (required in the 't5' dialect)")
-    heads = _get(raw, "num_heads", 8, int)
-    d_kv = _get(raw, "d_kv", 64, int)
-    layers = _get(raw, "num_layers", 6, int)
+    heads = get_key(raw, "num_heads", 8, int)
+    d_kv = get_key(raw, "d_kv", 64, int)
+    layers = get_key(raw, "num_layers", 6, int)
     out = _common_fields(raw)
     out.update(
         num_encoder_layers=layers,
-        num_decoder_layers=_get(raw, "num_decoder_layers", layers, int),
+        num_decoder_layers=get_key(raw, "num_decoder_layers", layers, int),
         num_heads=heads, head_dim=d_kv, num_kv_heads=heads,
         decoder_num_heads=heads, decoder_head_dim=d_kv, decoder_num_kv_heads=heads,
-        bos_token_id=_get(raw, "decoder_start_token_id", 0, int),
-        torch_dtype=_dtype_name(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+        bos_token_id=get_key(raw, "decoder_start_token_id", 0, int),
+        torch_dtype=dtype_name(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
     )
     return out
-
-
-def _dtype_name(value: Any) -> str:
-    aliases = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
-               "half": "float16"}
-    name = aliases.get(str(value), str(value))
-    if name not in DTYPES:
-        raise ValueError(f"config key 'torch_dtype': got {value!r}, allowed: {DTYPES}")
-    return name
 
 
 # ---- named sizes for `xrec make-model` ------------------------------------
@@ -280,7 +300,13 @@ _ONEREC_01B = ModelConfig(d_model=1024, d_ff=2048, num_encoder_layers=4, num_dec
                           num_heads=8, head_dim=128, num_kv_heads=8, decoder_num_heads=8,
                           decoder_head_dim=128, decoder_num_kv_heads=8, vocab_size=8192,
                           torch_dtype="float32")
-MODEL_SIZES: dict[str, ModelConfig] = {
+# OpenOneRec's vocabulary: 151,669 Qwen3 tokens, 3 x 8192 itemic tokens, 2 markers, padded to 256
+_QWEN3_SID_TINY = QwenConfig(model_type="qwen3", vocab_size=176_384, hidden_size=512,
+                             intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                             num_key_value_heads=4, head_dim=64, rope_theta=1_000_000.0,
+                             max_position_embeddings=40960, tie_word_embeddings=True,
+                             torch_dtype="float32")
+MODEL_SIZES: dict[str, ModelConfig | QwenConfig] = {
     "tiny": ModelConfig(d_model=32, d_ff=64, num_encoder_layers=2, num_decoder_layers=2, num_heads=4,
                         head_dim=8, num_kv_heads=2, decoder_num_heads=4, decoder_head_dim=8,
                         decoder_num_kv_heads=2, vocab_size=64, relative_attention_max_distance=32,
@@ -292,6 +318,15 @@ MODEL_SIZES: dict[str, ModelConfig] = {
     "onerec-0.1b": _ONEREC_01B,
     "onerec-1b-moe": _ONEREC_01B.replace(use_moe=True, moe_num_experts=24, moe_topk=2,
                                          moe_inter_dim=2048),
+    "qwen3-sid-tiny": _QWEN3_SID_TINY,
+    # Qwen3-0.6B's widths with 8 of its 28 layers
+    "qwen3-sid-small": _QWEN3_SID_TINY.replace(hidden_size=1024, intermediate_size=3072,
+                                               num_hidden_layers=8, num_attention_heads=16,
+                                               num_key_value_heads=8, head_dim=128),
+    # smoke tests: a 768-token vocabulary (512 base tokens, 3 x 16 itemic tokens)
+    "qwen3-sid-test": _QWEN3_SID_TINY.replace(vocab_size=768, hidden_size=32, intermediate_size=64,
+                                              num_hidden_layers=2, num_attention_heads=4,
+                                              num_key_value_heads=2, head_dim=8),
 }
 
 
@@ -321,6 +356,8 @@ class EngineOptions:
     request_timeout_ms: float | None = None
     each_conversion_threshold: int = 50
     total_conversion_threshold: int = 1000
+    generation_prefix: str | tuple[int, ...] | None = None   # decoder-only: appended to every
+                                         # prompt (text, tokenized; or ids), e.g. "<|sid_begin|>"
     num_threads: int | None = None       # CPU intra-op threads in all; default: all cores
     retain_host_memory: bool = True      # CPU: freed memory stays mapped for the next batch
                                          # (glibc thresholds, process-wide; engine/host_memory.py)
@@ -362,6 +399,15 @@ class EngineOptions:
             raise ValueError(f"option device: got {self.device!r}, allowed: 'auto', 'cpu', 'cuda', 'cuda:N'")
         if not (isinstance(self.batch_wait_ms, (int, float)) and 0 <= self.batch_wait_ms <= 60_000):
             raise ValueError(f"option batch_wait_ms: got {self.batch_wait_ms!r}, allowed: [0, 60000]")
+        prefix = self.generation_prefix
+        if prefix is not None and not isinstance(prefix, str):
+            if isinstance(prefix, list):
+                object.__setattr__(self, "generation_prefix", tuple(prefix))
+                prefix = self.generation_prefix
+            if not (isinstance(prefix, tuple) and all(isinstance(i, int) and not isinstance(i, bool)
+                                                      for i in prefix)):
+                raise ValueError(f"option generation_prefix: got {prefix!r}, allowed: text, a list of "
+                                 "token ids, or None")
         if self.request_timeout_ms is not None and not (
                 isinstance(self.request_timeout_ms, (int, float)) and self.request_timeout_ms > 0):
             raise ValueError(f"option request_timeout_ms: got {self.request_timeout_ms!r}, "

@@ -2,8 +2,11 @@
 
 A model directory holds `config.json`, `model.safetensors`, the catalog
 `items.bin` and `tokenizer_config.json` naming it, so `Engine.from_pretrained`
-finds everything. The demo model is created on first use under `XREC_HOME`
-(default `~/.cache/xrec`).
+finds everything. A decoder-only size (`qwen3-sid-*`) also gets OpenOneRec's
+vocabulary layout: a `tokenizer.json` that knows the Qwen3 special tokens, the
+itemic tokens `<s_a_i>`, `<s_b_i>`, `<s_c_i>` and `<|sid_begin|>` / `<|sid_end|>`,
+a chat template, and a catalog over the itemic tokens. The demo model is created
+on first use under `XREC_HOME` (default `~/.cache/xrec`).
 """
 
 from __future__ import annotations
@@ -18,25 +21,42 @@ from xrec.config import MODEL_SIZES
 
 DEMO_SIZE, DEMO_SEED, DEMO_ITEMS = "onerec-0.015b", 0, 100_000
 CATALOG_FILE = "items.bin"
+# decoder-only sizes: (regular BPE tokens, codes per semantic-ID level) of their vocabulary
+SID_VOCABULARIES = {"qwen3-sid-tiny": (151_643, 8192), "qwen3-sid-small": (151_643, 8192),
+                    "qwen3-sid-test": (512, 16)}
 
 
 def write_random_model(out_dir: str | os.PathLike, size: str, seed: int = 0, num_items: int = 100_000,
-                       progress: bool = False) -> Path:
-    """Write a random model of a named size and a random catalog of `num_items` items."""
+                       progress: bool = False, sizes: dict | None = None) -> Path:
+    """Write a random model of a named size (from `sizes`, default `MODEL_SIZES`) and a random
+    catalog of `num_items` items."""
     from xrec.catalog import random_catalog
     from xrec.model.loader import save_model
     from xrec.model.random_init import random_state_dict
 
-    if size not in MODEL_SIZES:
-        raise ValueError(f"size: got {size!r}, allowed: {', '.join(MODEL_SIZES)}")
+    sizes = MODEL_SIZES if sizes is None else sizes
+    if size not in sizes:
+        raise ValueError(f"size: got {size!r}, allowed: {', '.join(sizes)}")
     if num_items < 0:
         raise ValueError(f"items: got {num_items}, expected >= 0")
-    config = MODEL_SIZES[size]
+    config = sizes[size]
     out = Path(out_dir)
     save_model(out, config, random_state_dict(config, seed, progress=progress))
+    if size not in SID_VOCABULARIES:
+        if num_items:
+            random_catalog(num_items, config.vocab_size, seed).write(out / CATALOG_FILE)
+            (out / "tokenizer_config.json").write_text(json.dumps({"vocab_file": CATALOG_FILE}) + "\n")
+        return out
+    from xrec.sid_vocab import SidLayout, random_sid_catalog, write_sid_tokenizer
+
+    num_base, codebook = SID_VOCABULARIES[size]
+    layout = SidLayout(num_base_tokens=num_base, codebook_size=codebook)
+    if layout.vocab_size != config.vocab_size:  # the size table and the layout must agree
+        raise ValueError(f"size {size}: vocab_size {config.vocab_size} != the layout's {layout.vocab_size}")
     if num_items:
-        random_catalog(num_items, config.vocab_size, seed).write(out / CATALOG_FILE)
-        (out / "tokenizer_config.json").write_text(json.dumps({"vocab_file": CATALOG_FILE}) + "\n")
+        random_sid_catalog(num_items, layout, seed).write(out / CATALOG_FILE)
+        (out / "tokenizer_config.json").write_text(json.dumps({"item_catalog": CATALOG_FILE}) + "\n")
+    write_sid_tokenizer(out, layout)   # keeps the item_catalog key
     return out
 
 

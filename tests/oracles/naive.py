@@ -11,7 +11,9 @@ independently of the engine (`xrec.model`, `xrec.search`), and never fast.
 * The search (`naive_beam_search`) follows /work/shared/spec/beam.md and the
   "Constrained decoding" section of catalog.md: per-beam copies of
   everything, a full decoder recompute per beam per round, candidates sorted
-  by (-score, parent beam index, token id).
+  by (-score, parent beam index, token id). The search itself
+  (`fixed_round_beam_search`) only asks for the next-token logits of a beam,
+  so the decoder-only reference (naive_causal.py) runs the same rounds.
 
 The state dict uses the canonical (Hugging Face T5) tensor names, without a
 prefix; see `tests/oracles/weights.py` for a random one and for renaming to
@@ -21,7 +23,7 @@ the other names the engine accepts.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -30,6 +32,7 @@ from xrec.config import ModelConfig
 __all__ = [
     "NaiveOneRec",
     "naive_beam_search",
+    "fixed_round_beam_search",
     "relative_position_bucket",
     "rms_norm",
     "gated_silu_ffn",
@@ -362,22 +365,25 @@ def round_log_probs(logits: torch.Tensor, allowed: Iterable[int] | None, normali
     return {t: float(x[t] - lse) for t in tokens}
 
 
-def naive_beam_search(model: NaiveOneRec, *, token_ids=None, sparse_embedding=None, decoder_context_embedding=None,
-                      beam_width: int, num_return_sequences: int | None = None, normalize: str = "allowed",
-                      catalog_triples=None, rounds: int = 3,
-                      temperature: float = 1.0) -> list[tuple[tuple[int, ...], float, list[float]]]:
-    """Fixed-round beam search of one request, per /work/shared/spec/beam.md.
+def fixed_round_beam_search(next_logits: Callable[[tuple[int, ...]], torch.Tensor], *, beam_width: int,
+                            num_return_sequences: int | None = None, normalize: str = "allowed",
+                            catalog_triples=None, rounds: int = 3,
+                            temperature: float = 1.0) -> list[tuple[tuple[int, ...], float, list[float]]]:
+    """The fixed-round beam search of one request, per /work/shared/spec/beam.md,
+    whatever the network: `next_logits(tokens)` returns the logits [V] of the
+    token that follows the generated `tokens` (a tuple, () in round 0).
 
-    Returns up to N = num_return_sequences (default W) results
+    Returns up to N = num_return_sequences (default W; any N >= 1) results
     (tokens, score, per-round log-probs), best first. Round r keeps the best
-    W (the best N in the last round) of all finite candidates of all beams,
-    ordered by (-score, parent beam index, token id); -inf candidates never
-    survive, so fewer results come back when fewer finite candidates exist.
+    W (the best N in the last round, N < W, = W or > W) of all finite
+    candidates of all beams, ordered by (-score, parent beam index, token id);
+    -inf candidates never survive, so fewer results come back when fewer
+    finite candidates exist. `temperature` divides the logits (0 means 1).
     """
     w = int(beam_width)
     n = w if num_return_sequences is None else int(num_return_sequences)
-    if w < 1 or n < w:
-        raise ValueError(f"need 1 <= beam_width <= num_return_sequences, got W={w}, N={n}")
+    if w < 1 or n < 1:
+        raise ValueError(f"need beam_width >= 1 and num_return_sequences >= 1, got W={w}, N={n}")
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     temp = 1.0 if not temperature else float(temperature)
@@ -385,17 +391,13 @@ def naive_beam_search(model: NaiveOneRec, *, token_ids=None, sparse_embedding=No
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     trie = None if catalog_triples is None else build_trie(catalog_triples, rounds)
 
-    encoder_output = model.encode(token_ids=token_ids, sparse_embedding=sparse_embedding)
-    prefix = model.decoder_prefix(decoder_context_embedding)
-
     # a beam: (tokens, score, per-round log-probs)
     beams: list[tuple[tuple[int, ...], float, list[float]]] = [((), 0.0, [])]
     for r in range(rounds):
         keep = n if r == rounds - 1 else w
         candidates = []  # (score, parent, token, tokens, lps)
         for parent, (tokens, score, lps) in enumerate(beams):
-            decoder_input = torch.cat([prefix, model.embed(list(tokens))], dim=0) if tokens else prefix
-            logits = model.decoder_logits(encoder_output, decoder_input)[-1] / temp
+            logits = next_logits(tokens) / temp
             allowed = None if trie is None else trie.get(tokens, set())
             for token, lp in round_log_probs(logits, allowed, normalize).items():
                 new_score = score + lp
@@ -406,6 +408,25 @@ def naive_beam_search(model: NaiveOneRec, *, token_ids=None, sparse_embedding=No
         if not beams:
             break
     return beams
+
+
+def naive_beam_search(model: NaiveOneRec, *, token_ids=None, sparse_embedding=None, decoder_context_embedding=None,
+                      beam_width: int, num_return_sequences: int | None = None, normalize: str = "allowed",
+                      catalog_triples=None, rounds: int = 3,
+                      temperature: float = 1.0) -> list[tuple[tuple[int, ...], float, list[float]]]:
+    """Fixed-round beam search of one OneRec request (`fixed_round_beam_search`):
+    a full decoder recompute per beam per round over the decoder prefix (BOS
+    or context rows) and the beam's generated tokens."""
+    encoder_output = model.encode(token_ids=token_ids, sparse_embedding=sparse_embedding)
+    prefix = model.decoder_prefix(decoder_context_embedding)
+
+    def next_logits(tokens: tuple[int, ...]) -> torch.Tensor:
+        decoder_input = torch.cat([prefix, model.embed(list(tokens))], dim=0) if tokens else prefix
+        return model.decoder_logits(encoder_output, decoder_input)[-1]
+
+    return fixed_round_beam_search(next_logits, beam_width=beam_width, num_return_sequences=num_return_sequences,
+                                   normalize=normalize, catalog_triples=catalog_triples, rounds=rounds,
+                                   temperature=temperature)
 
 
 # ---------------------------------------------------------------------------

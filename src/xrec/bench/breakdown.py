@@ -6,8 +6,8 @@ The real `RecStep.run` is profiled with torch.profiler twice:
   and the time of its top-level torch ops; host overhead = wall - ops (the Python and
   dispatch time between ops);
 * with Python stacks: each top-level op is attributed to a part of the step by the
-  innermost xrec function on its stack (`encode`, `prepare_cross`, `decode_prefix`,
-  `decode_step` per round, `_candidates` per round, `select_top`; what `run` does itself
+  innermost xrec function on its stack (`encode`, `prepare_cross`, `decode_prefix`, or a
+  decoder-only model's `prefill`; `decode_step` per round, `_candidates` per round, `select_top`; what `run` does itself
   is the beam update). The two runs issue the same ops in the same order, so the parts
   take the op times of the first (cheaper to profile) run.
 
@@ -32,11 +32,13 @@ PARTS = {
     ("beam.py", "select_top"): "top-k select",
     ("step.py", "_candidates"): "LM head + normalise, round {r}",
     ("onerec.py", "decode_step"): "decoder, round {r}",
+    ("qwen.py", "decode_step"): "decoder, round {r}",
     ("onerec.py", "decode_prefix"): "decoder prefix (round 0)",
-    ("step.py", "_prefix"): "decoder prefix (round 0)",
+    ("onerec.py", "_prefix"): "decoder prefix (round 0)",
     ("onerec.py", "prepare_cross"): "cross K/V",
     ("onerec.py", "encode"): "encoder",
-    ("step.py", "_encoder_input"): "encoder",
+    ("onerec.py", "_encoder_input"): "encoder",
+    ("qwen.py", "prefill"): "prompt (round 0)",
     ("step.py", "_to_host"): "copy to host",
     ("step.py", "run"): "beam update",
 }
@@ -173,7 +175,7 @@ def _parts(ops) -> list[str]:
 
 
 def _ordered_parts(modes: dict) -> list[str]:
-    order = ["encoder", "cross K/V", "decoder prefix (round 0)"]
+    order = ["encoder", "cross K/V", "decoder prefix (round 0)", "prompt (round 0)"]
     names = {p for m in modes.values() for p in m["parts_ms"]}
     order += sorted(n for n in names if n.startswith("decoder, round"))
     order += sorted(n for n in names if n.startswith("LM head"))

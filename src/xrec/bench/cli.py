@@ -13,6 +13,9 @@ from typing import Sequence
 
 from xrec.bench.models import BENCH_SIZES, QUICK_SIZE
 
+# family -> (default size, --quick size)
+FAMILY_SIZES = {"onerec": ("onerec-0.015b", QUICK_SIZE), "qwen3": ("qwen3-sid-tiny", "qwen3-sid-test")}
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
@@ -20,8 +23,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
+    default_size, quick_size = FAMILY_SIZES[args.family]
     if args.quick:
         apply_quick(args)
+        args.size = quick_size
+    args.size = args.size or default_size
+    if BENCH_SIZES[args.size].is_encoder_decoder != (args.family == "onerec"):
+        parser.error(f"--size {args.size} is not of --family {args.family}")
     try:
         return args.run(args) or 0
     except (ValueError, OSError) as e:
@@ -58,7 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--size", choices=sorted(BENCH_SIZES), default="onerec-0.015b")
+        p.add_argument("--family", choices=sorted(FAMILY_SIZES), default="onerec",
+                       help="model family: onerec (encoder-decoder) or qwen3 (decoder-only, "
+                       "OpenOneRec's vocabulary); sets the default --size")
+        p.add_argument("--size", choices=sorted(BENCH_SIZES), default=None,
+                       help="named model size (default: onerec-0.015b, or qwen3-sid-tiny for "
+                       "--family qwen3)")
         p.add_argument("--model", help="an existing model directory (with a catalog) instead of "
                        "a random model of --size")
         p.add_argument("--items", type=int, default=100_000, help="random catalog size")
@@ -84,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     common(offline)
     contenders(offline, "xrec,xrec-full,hf,naive; xrec,xrec-full,hf for --case")
     offline.add_argument("--case", choices=("target1", "target2", "targets"),
-                         help="the headline cases of spec/quality.md: target1 W=128 L=256 16 "
-                         "requests, target2 W=512 L=1024 4 requests, targets both")
+                         help="the headline cases: onerec (spec/quality.md): target1 W=128 L=256 "
+                         "16 requests, target2 W=512 L=1024 4 requests; qwen3 (issue 9): target1 "
+                         "W=128 L=256 4 requests; targets: all of the family's")
     offline.add_argument("--beam-widths", type=_ints, default=[64, 128, 256, 512])
     offline.add_argument("--lengths", type=_ints, default=[128, 512, 1024])
     offline.add_argument("--num-requests", type=int, default=8)
@@ -135,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def apply_quick(args: argparse.Namespace) -> None:
     """Tiny sizes for a smoke test: the tiny model, a small catalog, few short runs."""
-    args.size, args.items, args.warmup = QUICK_SIZE, 2000, 1
+    args.items, args.warmup = 2000, 1
     args.repeats = min(args.repeats, 2)
     if getattr(args, "hf_repeats", None) is None and hasattr(args, "hf_repeats"):
         args.hf_repeats = 1

@@ -2,8 +2,9 @@
 
 * `XrecContender`: the Python API (`Engine.submit` for every request of the batch, then
   wait for all, as `Engine.recommend` does) in one normalisation;
-* `HFContender`: Hugging Face `generate` on the same weights exported as T5, constrained
-  with `prefix_allowed_tokens_fn` over the same catalog (a trie of Python lists);
+* `HFContender`: Hugging Face `generate` on the same weights (exported as T5, or the
+  decoder-only model directory loaded as it is), constrained with
+  `prefix_allowed_tokens_fn` over the same catalog (a trie of Python lists);
 * `NaiveContender` (naive.py): a generic beam search without xAttention.
 
 Each `run` returns a `RunResult`: the batch's wall time, each request's latency and its
@@ -78,28 +79,30 @@ def build_trie(triples: np.ndarray) -> dict[tuple[int, ...], list[int]]:
     return trie
 
 
-def prefix_allowed_tokens(trie: dict[tuple[int, ...], list[int]],
-                          vocab_size: int) -> Callable[[int, torch.Tensor], list[int]]:
-    """`prefix_allowed_tokens_fn` for generate: the sequence after the decoder start token
-    is looked up in the trie. A prefix outside the catalog (only a placeholder beam that HF
-    keeps at -inf can have one) may continue with anything."""
+def prefix_allowed_tokens(trie: dict[tuple[int, ...], list[int]], vocab_size: int,
+                          start: int) -> Callable[[int, torch.Tensor], list[int]]:
+    """`prefix_allowed_tokens_fn` for generate: the generated part of a sequence (from
+    position `start`: after the decoder start token, or after the prompt) is looked up in
+    the trie. A prefix outside the catalog (only a placeholder beam that HF keeps at -inf
+    can have one) may continue with anything."""
     everything = list(range(vocab_size))
 
     def allowed(batch_id: int, input_ids: torch.Tensor) -> list[int]:
-        return trie.get(tuple(input_ids[1:].tolist()), everything)
+        return trie.get(tuple(input_ids[start:].tolist()), everything)
 
     return allowed
 
 
 class HFContender:
-    """Constrained beam search with `generate` (num_beams = num_return_sequences = W)."""
+    """Constrained beam search with `generate` (num_beams = num_return_sequences = W), on an
+    encoder-decoder (T5) or a decoder-only model."""
 
     name = "hf"
 
     def __init__(self, hf_model, trie: dict, rounds: int = 3):
-        self.model, self.rounds = hf_model, rounds
+        self.model, self.trie, self.rounds = hf_model, trie, rounds
         self.device = hf_model.device
-        self.allowed = prefix_allowed_tokens(trie, hf_model.config.vocab_size)
+        self.is_causal = not hf_model.config.is_encoder_decoder
         self._inputs: tuple[Workload | None, torch.Tensor | None] = (None, None)
 
     @torch.inference_mode()
@@ -109,14 +112,17 @@ class HFContender:
             ids = torch.as_tensor(workload.token_ids, device=self.device)
             self._inputs = (workload, ids)
         width = workload.beam_width
+        first = ids.shape[1] if self.is_causal else 1   # where the generated tokens start
+        allowed = prefix_allowed_tokens(self.trie, self.model.config.vocab_size, first)
         start = time.perf_counter()
         out = self.model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), num_beams=width,
             num_return_sequences=width, max_new_tokens=self.rounds, do_sample=False,
-            length_penalty=0.0, eos_token_id=None, prefix_allowed_tokens_fn=self.allowed)
+            length_penalty=0.0, eos_token_id=None, pad_token_id=0,
+            prefix_allowed_tokens_fn=allowed)
         _sync(self.device)
         wall = time.perf_counter() - start
-        rows = out[:, 1:].view(workload.num_requests, width, self.rounds).tolist()  # [B, W, R]
+        rows = out[:, first:].view(workload.num_requests, width, self.rounds).tolist()  # [B, W, R]
         return RunResult(wall, [wall] * workload.num_requests,
                          [[tuple(t) for t in request] for request in rows])
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -23,10 +22,7 @@ BENCH_SIZES: dict[str, ModelConfig] = {
 def model_dir(size: str, seed: int, num_items: int) -> Path:
     """A random model of a named size with a random catalog, written once under
     `$XREC_HOME/models/bench-...` (atomically: a temp dir renamed into place)."""
-    from xrec.catalog import random_catalog
-    from xrec.demo import CATALOG_FILE, xrec_home
-    from xrec.model.loader import save_model
-    from xrec.model.random_init import random_state_dict
+    from xrec.demo import write_random_model, xrec_home
 
     if size not in BENCH_SIZES:
         raise ValueError(f"size: got {size!r}, allowed: {', '.join(BENCH_SIZES)}")
@@ -35,13 +31,10 @@ def model_dir(size: str, seed: int, num_items: int) -> Path:
     target = xrec_home() / "models" / f"bench-{size}-seed{seed}-{num_items}"
     if (target / "config.json").exists():
         return target
-    config = BENCH_SIZES[size]
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".bench-", dir=target.parent))
     try:
-        save_model(tmp, config, random_state_dict(config, seed, progress=True))
-        random_catalog(num_items, config.vocab_size, seed).write(tmp / CATALOG_FILE)
-        (tmp / "tokenizer_config.json").write_text(json.dumps({"vocab_file": CATALOG_FILE}) + "\n")
+        write_random_model(tmp, size, seed, num_items, progress=True, sizes=BENCH_SIZES)
         try:
             tmp.rename(target)
         except OSError:  # another process wrote the same model meanwhile

@@ -48,11 +48,14 @@ def load_contenders(names: list[str], model_dir: Path, device: str, threads: int
         options = {"device": device, "num_threads": threads, **(engine_options or {})}
         engine = Engine.from_pretrained(model_dir, **{k: v for k, v in options.items() if v is not None})
         model = engine.model
-    if model is None or model.shared.weight.dtype != torch.float32:
+    if model is None or model.dtype != torch.float32:
         model = load_model(model_dir, device, torch.float32)
+    if "naive" in names and not model.config.is_encoder_decoder:
+        raise ValueError("contender naive: a generic encoder-decoder search; this model is "
+                         "decoder-only (compare with hf)")
     catalog = ItemCatalog.from_model_dir(model_dir, model.config.vocab_size)
     if catalog is None:
-        raise ValueError(f"{model_dir} has no catalog (tokenizer_config.json vocab_file)")
+        raise ValueError(f"{model_dir} has no catalog (tokenizer_config.json item_catalog or vocab_file)")
     by_name: dict[str, Any] = {}
     trie = build_trie(catalog.triples) if set(SLOW) & set(names) else None
     for name in names:
@@ -61,14 +64,13 @@ def load_contenders(names: list[str], model_dir: Path, device: str, threads: int
         elif name == "xrec-full":
             by_name[name] = XrecContender(engine, "full", name)
         elif name == "hf":
-            from xrec.bench.models import export_hf_t5
-            by_name[name] = HFContender(export_hf_t5(model), trie)
+            by_name[name] = HFContender(_hf_model(model, model_dir, device), trie)
         else:
             from xrec.bench.naive import NaiveContender
             by_name[name] = NaiveContender(model, trie)
     info = {"model_dir": str(model_dir), "config": model.config.to_dict(),
             "num_items": catalog.num_items, "num_triples": catalog.num_triples,
-            "dtype": str(model.shared.weight.dtype).replace("torch.", "")}
+            "dtype": str(model.dtype).replace("torch.", "")}
     if engine is not None:
         info["engine_options"] = asdict(engine.options)
         info["engine_pipelines"] = engine.num_pipelines
@@ -78,6 +80,22 @@ def load_contenders(names: list[str], model_dir: Path, device: str, threads: int
     gc.collect()
     gc.freeze()
     return Contenders(by_name, engine, model.config.vocab_size, info)
+
+
+def _hf_model(model, model_dir: Path, device: str):
+    """The Hugging Face model of the same weights: T5 exported from an encoder-decoder, or
+    the decoder-only directory loaded as it is (float32, HF's default attention)."""
+    import torch
+
+    if model.config.is_encoder_decoder:
+        from xrec.bench.models import export_hf_t5
+        return export_hf_t5(model)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    for cfg in (hf.config, hf.generation_config):
+        cfg.eos_token_id, cfg.bos_token_id, cfg.pad_token_id = None, None, 0
+    return hf.to(device).eval().requires_grad_(False)
 
 
 def load_for(args, names: list[str]) -> Contenders:

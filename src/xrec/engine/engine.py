@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
-from xrec.api_types import RecRequest, RecResponse, SearchLimits, validate
+from xrec.api_types import RecRequest, RecResponse, SearchLimits, ValidRequest, validate
 from xrec.catalog import ItemCatalog
 from xrec.config import EngineOptions
 from xrec.engine.executor import BatchReport, Executor
@@ -26,8 +26,8 @@ from xrec.engine.host_memory import retain_freed_memory
 from xrec.engine.requests import BatchLimits, ScheduledRequest
 from xrec.engine.scheduler import FixedStepsScheduler
 from xrec.errors import InvalidArgument, Unavailable
+from xrec.model.family import RecModel
 from xrec.model.loader import load_model
-from xrec.model.onerec import OneRecModel
 from xrec.search.step import RecStep
 from xrec.search.workspace import BatchShape, WorkspaceModel
 
@@ -45,27 +45,35 @@ class Engine:
     team, the pipelines' included (README, "One process, several OpenMP teams").
     """
 
-    def __init__(self, model: OneRecModel, catalog: ItemCatalog | None, options: EngineOptions,
-                 model_name: str = "xrec"):
+    def __init__(self, model: RecModel, catalog: ItemCatalog | None, options: EngineOptions,
+                 model_name: str = "xrec", tokenizer: Any = None):
+        """`tokenizer`: the model directory's `PromptTokenizer` (prompts, chat, result text) or None."""
         self.model, self.catalog, self.options, self.model_name = model, catalog, options, model_name
+        self.tokenizer = tokenizer
         config = model.config
-        device = model.shared.weight.device
+        device = model.device
         if device.type == "cpu" and options.retain_host_memory:
             retain_freed_memory()
         is_constrained = catalog is not None if options.constrained is None else options.constrained
         if is_constrained and catalog is None:
             raise ValueError("option constrained=true needs a catalog (none was found or given)")
+        if catalog is not None and tokenizer is not None:
+            _check_catalog_tokens(catalog, tokenizer)
         tables = catalog.constraint_tables(device) if is_constrained else None
         if tables is not None and options.rounds > tables.num_levels:
             raise ValueError(f"option rounds: got {options.rounds}, the catalog has "
                              f"{tables.num_levels} token levels")
         self.step = RecStep(model, tables, options.rounds)
+        max_positions = None if config.max_positions is None else \
+            config.max_positions - (options.rounds - 1)
         self.limits = SearchLimits(config.vocab_size, config.d_model, options.max_input_len,
                                    options.max_beam_width, options.max_top_k,
-                                   options.default_beam_width, options.normalize)
+                                   options.default_beam_width, options.normalize,
+                                   config.accepts_embeddings, config.decoder_start_len,
+                                   max_positions, _generation_prefix(options, config, tokenizer))
         num_pipelines = options.max_concurrency or (2 if device.type == "cuda" else 1)
         widest = max(tables.max_children[1:], default=1) if tables else config.vocab_size
-        self.workspace = WorkspaceModel(config, model.shared.weight.element_size(), widest,
+        self.workspace = WorkspaceModel(config, model.head_weight()[0].element_size(), widest,
                                         options.rounds)
         self.workspace_per_pipeline = _workspace_budget(model, device, options, num_pipelines)
         total_threads = options.num_threads or torch.get_num_threads()
@@ -78,6 +86,7 @@ class Engine:
             launch=self._launch, workspace_bytes=self._batch_bytes)
         self.executor = Executor(self.step, catalog, num_pipelines, options.each_conversion_threshold,
                                  options.total_conversion_threshold, threads,
+                                 None if tokenizer is None else tokenizer.tokens_text,
                                  on_batch_done=self.scheduler.batch_done, on_report=self._on_report,
                                  batch_bytes=self._batch_bytes)
         self.num_pipelines = num_pipelines
@@ -90,14 +99,16 @@ class Engine:
         self.scheduler.start()
         logger.info("engine ready: %s, %.1fM parameters, %s %s, %d pipeline(s), workspace %.1f MiB "
                     "each, catalog %s, options %s", model_name, config.num_parameters / 1e6, device,
-                    model.shared.weight.dtype, num_pipelines, self.workspace_per_pipeline / 2**20,
+                    model.dtype, num_pipelines, self.workspace_per_pipeline / 2**20,
                     catalog, options)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike, catalog: Any = None,
                         **engine_options: Any) -> "Engine":
-        """Load `model_dir` (config.json + safetensors). `catalog`: None (the model
-        directory's own, if any), a path, or an `ItemCatalog`."""
+        """Load `model_dir` (config.json + safetensors, and tokenizer.json when it has one).
+        `catalog`: None (the model directory's own, if any), a path, or an `ItemCatalog`."""
+        from xrec.tokenizer import PromptTokenizer
+
         options = EngineOptions.from_kwargs(**engine_options)
         device = _resolve_device(options.device)
         dtype = getattr(torch, options.dtype) if options.dtype != "auto" else \
@@ -108,14 +119,25 @@ class Engine:
             catalog = ItemCatalog.from_model_dir(model_dir, vocab)
         elif not isinstance(catalog, ItemCatalog):
             catalog = ItemCatalog.read(catalog, vocab)
-        return cls(model, catalog, options, Path(model_dir).resolve().name)
+        tokenizer = PromptTokenizer.from_model_dir(model_dir)
+        return cls(model, catalog, options, Path(model_dir).resolve().name, tokenizer)
 
     # ---- requests ----------------------------------------------------------
 
     def submit(self, request: RecRequest) -> Future:
         """Validate and queue one request; its future resolves to a `RecResponse` or an
         `XrecError`. Raises `InvalidArgument` at once for a bad request."""
-        scheduled = self._schedule(request)
+        return self.submit_valid(self.validate(request))
+
+    def validate(self, request: RecRequest) -> ValidRequest:
+        """The request checked and its prompt tokenized (the edge), not queued."""
+        if not isinstance(request, RecRequest):
+            raise InvalidArgument(f"expected a RecRequest, got {type(request).__name__}")
+        return validate(request, self.limits, self.tokenizer)
+
+    def submit_valid(self, valid: ValidRequest) -> Future:
+        """Queue a request that `validate` returned."""
+        scheduled = self._schedule(valid)
         self.scheduler.submit(scheduled)
         return scheduled.future
 
@@ -127,7 +149,8 @@ class Engine:
             if not isinstance(request, RecRequest):
                 raise InvalidArgument(f"requests[{index}]: expected a RecRequest, got "
                                       f"{type(request).__name__}")
-        scheduled = [self._schedule(request) for request in requests]
+        valid = [validate(request, self.limits, self.tokenizer) for request in requests]
+        scheduled = [self._schedule(v) for v in valid]
         self.scheduler.submit_many(scheduled)
         return [s.future for s in scheduled]
 
@@ -147,12 +170,9 @@ class Engine:
             requests = [requests]
         return [future.result() for future in self.submit_many(requests)]
 
-    def _schedule(self, request: RecRequest) -> ScheduledRequest:
+    def _schedule(self, valid: ValidRequest) -> ScheduledRequest:
         if self._closed.is_set():
             raise Unavailable("engine is closed")
-        if not isinstance(request, RecRequest):
-            raise InvalidArgument(f"expected a RecRequest, got {type(request).__name__}")
-        valid = validate(request, self.limits)
         timeout = valid.timeout_ms or self.options.request_timeout_ms
         deadline = None if timeout is None else time.monotonic() + timeout / 1000.0
         return ScheduledRequest(valid.request_id, valid.input_len + valid.prefix_len,
@@ -205,7 +225,44 @@ def _resolve_device(name: str) -> torch.device:
     return device
 
 
-def _workspace_budget(model: OneRecModel, device: torch.device, options: EngineOptions,
+def _generation_prefix(options: EngineOptions, config: Any, tokenizer: Any) -> tuple[int, ...]:
+    """The ids of option `generation_prefix` (text through the tokenizer, or ids as given)."""
+    prefix = options.generation_prefix
+    if prefix is None or prefix == "" or prefix == ():
+        return ()
+    if config.accepts_embeddings:
+        raise ValueError("option generation_prefix: only decoder-only models take one (their prompt "
+                         "continues with it); this model is encoder-decoder")
+    if isinstance(prefix, str):
+        if tokenizer is None:
+            raise ValueError(f"option generation_prefix: got text {prefix!r}, but the model directory "
+                             "has no tokenizer.json; give token ids")
+        ids = tokenizer.encode(prefix, add_special_tokens=False)
+    else:
+        ids = list(prefix)
+    bad = [i for i in ids if not 0 <= i < config.vocab_size]
+    if bad:
+        raise ValueError(f"option generation_prefix: token id {bad[0]} is outside the vocabulary "
+                         f"[0, {config.vocab_size - 1}]")
+    return tuple(int(i) for i in ids)
+
+
+def _check_catalog_tokens(catalog: ItemCatalog, tokenizer: Any) -> None:
+    """Every token of every semantic ID must be one the tokenizer knows (else the catalog was
+    built for another vocabulary)."""
+    import numpy as np
+
+    known = tokenizer.known_ids(catalog.vocab_size)                       # [V] bool
+    is_unknown = ~known[catalog.triples]                                  # [n, 3]
+    if is_unknown.any():
+        row, level = np.argwhere(is_unknown)[0]
+        raise ValueError(f"catalog: item {catalog.item_ids[row]} has token {catalog.triples[row, level]} "
+                         f"at level {level}, which the model's tokenizer.json does not know "
+                         f"({int(is_unknown.any(axis=1).sum())} items have unknown tokens); build the "
+                         "catalog through the model's tokenizer (xrec catalog import)")
+
+
+def _workspace_budget(model: RecModel, device: torch.device, options: EngineOptions,
                       num_pipelines: int) -> int:
     """One pipeline's share of `max_memory_utilization` of the device (or RAM), less the weights."""
     if device.type == "cuda":

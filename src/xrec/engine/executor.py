@@ -45,6 +45,7 @@ class BatchReport:
 class Executor:
     """Runs launched batches on `num_pipelines` worker threads.
 
+    `token_text(ids)` gives a result's text (None: results carry none).
     `on_batch_done` is called once per batch after its requests are answered
     (the scheduler's `batch_done`); `on_report` receives a `BatchReport`.
     `fault` is a test hook: called with the batch before it runs; may raise.
@@ -52,10 +53,11 @@ class Executor:
 
     def __init__(self, step: RecStep, catalog: ItemCatalog | None, num_pipelines: int,
                  each_threshold: int, total_threshold: int, threads_per_pipeline: int | None,
+                 token_text: Callable[[list[int]], str] | None,
                  on_batch_done: Callable[[], None], on_report: Callable[[BatchReport], None],
                  batch_bytes: Callable[[list[ScheduledRequest]], int],
                  clock: Callable[[], float] = time.monotonic):
-        self.step, self.catalog = step, catalog
+        self.step, self.catalog, self.token_text = step, catalog, token_text
         self.each_threshold, self.total_threshold = each_threshold, total_threshold
         self.on_batch_done, self.on_report, self.clock = on_batch_done, on_report, clock
         self.threads_per_pipeline = threads_per_pipeline
@@ -130,7 +132,7 @@ class Executor:
             timings = [{"queue_ms": ms(started - r.enqueued_at), "run_ms": ms(finished - started)}
                        for r in batch]
             responses = build_responses(output, requests, self.catalog, self.each_threshold,
-                                        self.total_threshold, timings)
+                                        self.total_threshold, timings, self.token_text)
             is_ok = True
         except Exception as exc:  # a failure in one batch fails only that batch
             logger.exception("batch of %d requests failed", len(batch))

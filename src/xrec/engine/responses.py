@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -14,8 +14,10 @@ from xrec.search.step import StepOutput
 
 def build_responses(output: StepOutput, requests: Sequence[ValidRequest], catalog: ItemCatalog | None,
                     each_threshold: int, total_threshold: int,
-                    timings: Sequence[dict[str, float]]) -> list[RecResponse]:
-    """One response per request: its finite-score results, best first, with items."""
+                    timings: Sequence[dict[str, float]],
+                    token_text: Callable[[list[int]], str] | None = None) -> list[RecResponse]:
+    """One response per request: its finite-score results, best first, with items (and
+    each result's tokens as text when `token_text` is given)."""
     responses = []
     for b, request in enumerate(requests):
         num = request.num_results
@@ -30,8 +32,9 @@ def build_responses(output: StepOutput, requests: Sequence[ValidRequest], catalo
                                                           seed=request.seed))
         token_lists = tokens.tolist()
         score_list, lp_lists = scores[:keep].tolist(), output.token_logprobs[b, :keep].tolist()
-        results = [RecCandidate(tuple(token_lists[i]), score_list[i], tuple(lp_lists[i]), items[i])
-                   for i in range(keep)]
+        texts = [token_text(t) for t in token_lists] if token_text is not None else [None] * keep
+        results = [RecCandidate(tuple(token_lists[i]), score_list[i], tuple(lp_lists[i]), items[i],
+                                texts[i]) for i in range(keep)]
         responses.append(RecResponse(
             request_id=request.request_id, results=results,
             usage={"input_tokens": request.input_len, "beams": request.beam_width},

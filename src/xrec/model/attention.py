@@ -40,13 +40,21 @@ class Attention(nn.Module):
         return self.k(x).unflatten(-1, shape), self.v(x).unflatten(-1, shape)  # [..., kvH, Dh]
 
 
+def padding_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
+    """`[B]` lengths -> additive key mask `[B, 1, 1, max_len]` (0 inside, -inf past the end)."""
+    inside = torch.arange(max_len, device=lengths.device) < lengths.unsqueeze(1)
+    zero = torch.zeros((), dtype=torch.float32, device=lengths.device)
+    return torch.where(inside, zero, float("-inf")).view(len(lengths), 1, 1, max_len)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           scale: float) -> torch.Tensor:
+           scale: float, is_causal: bool = False) -> torch.Tensor:
     """Plain attention, `q [B, H, Lq, Dh]`, `k/v [B, kvH, Lk, Dh]`, additive float mask
-    broadcastable to `[B, H, Lq, Lk]` (bias and -inf padding). Returns `[B, H, Lq, Dh]`."""
+    broadcastable to `[B, H, Lq, Lk]` (bias and -inf padding), or `is_causal` without a
+    mask. Returns `[B, H, Lq, Dh]`."""
     if mask is not None:
         mask = mask.to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
 

@@ -1,4 +1,4 @@
-"""Small building blocks of the OneRec network: RMSNorm, gated-SiLU FFN, T5 position buckets."""
+"""Small building blocks: RMSNorm, gated-SiLU feed-forward (T5 and Qwen names), T5 position buckets."""
 
 from __future__ import annotations
 
@@ -24,8 +24,14 @@ class RMSNorm(nn.Module):
         return (xf * inverse_rms).to(x.dtype).mul_(self.weight)
 
 
+def gated_silu(x: torch.Tensor, gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)): the feed-forward of both families."""
+    hidden = F.silu(gate(x), inplace=True)         # in place: no extra [.., d_ff] buffers
+    return down(hidden.mul_(up(x)))
+
+
 class GatedFFN(nn.Module):
-    """wo(silu(gate(x)) * up(x)), Hugging Face names: wi_0 = gate, wi_1 = up."""
+    """wo(silu(gate(x)) * up(x)), Hugging Face T5 names: wi_0 = gate, wi_1 = up."""
 
     def __init__(self, d_model: int, d_ff: int):
         super().__init__()
@@ -34,8 +40,20 @@ class GatedFFN(nn.Module):
         self.wo = nn.Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = F.silu(self.wi_0(x), inplace=True)      # in place: no extra [.., d_ff] buffers
-        return self.wo(gate.mul_(self.wi_1(x)))
+        return gated_silu(x, self.wi_0, self.wi_1, self.wo)
+
+
+class SwiGLU(nn.Module):
+    """The same feed-forward with Hugging Face Qwen names: gate_proj, up_proj, down_proj."""
+
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, d_ff, bias=False)
+        self.up_proj = nn.Linear(d_model, d_ff, bias=False)
+        self.down_proj = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gated_silu(x, self.gate_proj, self.up_proj, self.down_proj)
 
 
 def relative_position_bucket(relative_position: torch.Tensor, *, bidirectional: bool,

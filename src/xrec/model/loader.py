@@ -1,57 +1,33 @@
 """Checkpoint I/O: `*.safetensors` in, `config.json` + safetensors out. Never pickle.
 
-Tensor names are normalised to the canonical (Hugging Face T5) names that
-`OneRecModel.state_dict()` uses: optional prefixes `module.module3.t5_model.`
-and `model.` are stripped, and xllm's FFN / MoE names are mapped.
+`config.json`'s `model_type` picks the model family (`registry.py`); tensor names
+are normalised to the names of that family's `state_dict` by its
+`canonical_name` (OneRec: Hugging Face T5 names, with xllm's names and prefixes
+mapped; Qwen: Hugging Face names as they are).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from xrec.config import ModelConfig
-from xrec.model.onerec import OneRecModel
-
-PREFIXES = ("module.module3.t5_model.", "model.")
-# Copies of `shared.weight` that some T5 checkpoints carry; equal by construction.
-EMBEDDING_ALIASES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
-_RENAMES = [
-    # xllm dense FFN: gate_proj = gate, wi = up, wo = down
-    (re.compile(r"\.(?:DenseReluDense|ffn)\.gate_proj\.weight$"), ".DenseReluDense.wi_0.weight"),
-    (re.compile(r"\.(?:DenseReluDense|ffn)\.wi\.weight$"), ".DenseReluDense.wi_1.weight"),
-    (re.compile(r"\.ffn\.wo\.weight$"), ".DenseReluDense.wo.weight"),
-    # xllm MoE: router, experts' gate_proj/up_proj/down_proj
-    (re.compile(r"\.ffn\.router\.weight$"), ".ffn.gate.weight"),
-    (re.compile(r"\.(experts\.\d+|shared_experts)\.gate_proj\.weight$"), r".\1.w1.weight"),
-    (re.compile(r"\.(experts\.\d+|shared_experts)\.up_proj\.weight$"), r".\1.w3.weight"),
-    (re.compile(r"\.(experts\.\d+|shared_experts)\.down_proj\.weight$"), r".\1.w2.weight"),
-]
+from xrec.config import read_model_config
+from xrec.model.family import RecModel
+from xrec.model.registry import model_class
 
 
 class CheckpointError(ValueError):
     """A checkpoint that does not match the model config: names and shapes say why."""
 
 
-def canonical_name(name: str, is_moe: bool) -> str:
-    for prefix in PREFIXES:
-        if name.startswith(prefix):
-            name = name[len(prefix):]
-            break
-    for pattern, replacement in _RENAMES:
-        name = pattern.sub(replacement, name)
-    if is_moe and re.match(r"decoder\.block\.\d+\.layer\.2\.DenseReluDense\.", name):
-        raise CheckpointError(f"tensor {name!r} is a dense FFN, but config.json says use_moe=true")
-    return name
-
-
-def read_checkpoint(model_dir: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """All tensors of all `*.safetensors` files in `model_dir`, under canonical names."""
+def read_checkpoint(model_dir: Path, config: Any) -> dict[str, torch.Tensor]:
+    """All tensors of all `*.safetensors` files in `model_dir`, under the family's names."""
+    family = model_class(config)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         pickles = sorted(p.name for pattern in ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
@@ -64,7 +40,10 @@ def read_checkpoint(model_dir: Path, config: ModelConfig) -> dict[str, torch.Ten
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for raw in f.keys():
-                name = canonical_name(raw, config.use_moe)
+                try:
+                    name = family.canonical_name(raw, config)
+                except ValueError as e:
+                    raise CheckpointError(str(e)) from None
                 if name in tensors:
                     first_raw, first_file = origin[name]
                     raise CheckpointError(
@@ -73,20 +52,10 @@ def read_checkpoint(model_dir: Path, config: ModelConfig) -> dict[str, torch.Ten
                         f"{list(f.get_slice(raw).get_shape())}")
                 tensors[name] = f.get_tensor(raw)
                 origin[name] = (raw, path.name)
-    aliases = [n for n in EMBEDDING_ALIASES if n in tensors]
-    if "shared.weight" not in tensors and aliases:
-        tensors["shared.weight"] = tensors[aliases[0]]
-    for name in aliases:
-        del tensors[name]
-    if config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)  # some exporters write the tied head out; it is `shared`
-    if config.use_absolute_position_embedding:
-        # a T5 checkpoint switched to absolute mode may still carry zeroed bias tables
-        for name in [n for n in tensors if n.endswith("relative_attention_bias.weight")]:
-            if tensors[name].count_nonzero():
-                raise CheckpointError(f"tensor {name!r} holds a non-zero relative position bias, "
-                                      "but config.json says use_absolute_position_embedding=true")
-            del tensors[name]
+    try:
+        family.prepare_checkpoint(tensors, config)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     return tensors
 
 
@@ -109,13 +78,13 @@ def check_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Si
 
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
-               dtype: torch.dtype | None = None) -> OneRecModel:
+               dtype: torch.dtype | None = None) -> RecModel:
     """Read `config.json` and the safetensors of `model_dir` into an eval-mode model."""
     model_dir = Path(model_dir)
-    config = ModelConfig.from_file(model_dir / "config.json")
+    config = read_model_config(model_dir / "config.json")
     tensors = read_checkpoint(model_dir, config)
     with torch.device("meta"):
-        model = OneRecModel(config)
+        model = model_class(config)(config)
     check_tensors(tensors, {k: v.shape for k, v in model.state_dict().items()})
     dtype = dtype or getattr(torch, config.torch_dtype)
     tensors = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
@@ -123,7 +92,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     return model.eval().requires_grad_(False)
 
 
-def save_model(model_dir: str | Path, config: ModelConfig, state_dict: dict[str, torch.Tensor],
+def save_model(model_dir: str | Path, config: Any, state_dict: dict[str, torch.Tensor],
                max_shard_bytes: int = 2 << 30) -> None:
     """Write `config.json` and `model.safetensors` (or numbered shards past `max_shard_bytes`)."""
     model_dir = Path(model_dir)

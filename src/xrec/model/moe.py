@@ -1,4 +1,9 @@
-"""Decoder mixture of experts: softmax over all experts, top-k, route scale, no renormalisation."""
+"""Mixtures of experts: OneRec's decoder MoE and Qwen3-MoE's sparse block, one expert loop.
+
+OneRec (spec/model.md): softmax over all experts, top-k, times the route scale,
+no renormalisation, optional shared experts added ungated. Qwen3-MoE: softmax in
+float32, top-k, renormalised over the k only when `norm_topk_prob`.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,30 @@ import torch.nn.functional as F
 from torch import nn
 
 from xrec.config import ModelConfig
+from xrec.model.layers import SwiGLU, gated_silu
+from xrec.qwen_config import QwenConfig
+
+
+def run_experts(tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+                experts: nn.ModuleList) -> torch.Tensor:
+    """sum_k weights[n, k] * experts[chosen[n, k]](tokens[n]): `tokens [N, D]`, `weights`
+    and `chosen [N, k]`. One loop over experts (never over tokens): each expert runs
+    once on the tokens routed to it. On CUDA the per-expert counts cost one host read."""
+    top_k = chosen.shape[1]
+    out = torch.zeros_like(tokens)
+    flat = chosen.reshape(-1)                                             # [N*k]
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    token_of = order // top_k
+    flat_weights = weights.reshape(-1)
+    start = 0
+    for expert, count in zip(experts, counts):
+        if count:
+            rows = token_of[start:start + count]
+            w = flat_weights[order[start:start + count]].unsqueeze(-1)
+            out.index_add_(0, rows, expert(tokens[rows]) * w)
+        start += count
+    return out
 
 
 class ExpertFFN(nn.Module):
@@ -19,11 +48,11 @@ class ExpertFFN(nn.Module):
         self.w2 = nn.Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return gated_silu(x, self.w1, self.w3, self.w2)
 
 
 class MoE(nn.Module):
-    """Routed experts plus optional shared experts (one FFN `moe_inter_dim × num_shared` wide)."""
+    """OneRec's routed experts plus optional shared experts (one FFN `moe_inter_dim × num_shared` wide)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -40,21 +69,30 @@ class MoE(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])                                 # [N, D]
         probs = torch.softmax(self.gate(tokens).float(), dim=-1)          # [N, E]
-        weights, experts = probs.topk(self.top_k, dim=-1)                 # [N, k]
-        weights = (weights * self.route_scale).to(x.dtype)
-        out = torch.zeros_like(tokens)
-        flat_experts = experts.reshape(-1)                                # [N*k]
-        order = flat_experts.argsort(stable=True)
-        counts = torch.bincount(flat_experts, minlength=len(self.experts)).tolist()
-        token_of = order // self.top_k
-        start = 0
-        # one loop over experts (not tokens): each expert runs on the tokens routed to it
-        for expert, count in zip(self.experts, counts):
-            if count:
-                rows = token_of[start:start + count]
-                w = weights.reshape(-1)[order[start:start + count]].unsqueeze(-1)
-                out.index_add_(0, rows, expert(tokens[rows]) * w)
-            start += count
+        weights, chosen = probs.topk(self.top_k, dim=-1)                  # [N, k]
+        out = run_experts(tokens, (weights * self.route_scale).to(x.dtype), chosen, self.experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         return out.reshape(shape)
+
+
+class SparseMoE(nn.Module):
+    """Qwen3-MoE's block, Hugging Face names: `gate` (router), `experts.E.{gate,up,down}_proj`."""
+
+    def __init__(self, config: QwenConfig):
+        super().__init__()
+        d = config.hidden_size
+        self.gate = nn.Linear(d, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(d, config.moe_intermediate_size)
+                                     for _ in range(config.num_experts))
+        self.top_k = config.num_experts_per_tok
+        self.is_renormalized = config.norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])                                 # [N, D]
+        probs = F.softmax(self.gate(tokens), dim=-1, dtype=torch.float32)  # [N, E]
+        weights, chosen = probs.topk(self.top_k, dim=-1)                  # [N, k]
+        if self.is_renormalized:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return run_experts(tokens, weights.to(x.dtype), chosen, self.experts).reshape(shape)

@@ -1,23 +1,49 @@
 """The OneRec network (spec/model.md) as plain modules with Hugging Face T5 names.
 
-The engine drives it piece by piece: `encode` over a padded batch,
-`prepare_cross` once per request, `decode_prefix` once per request, then
-`decode_step` once per round for all beams. Model code knows tensors, not
-requests.
+A `RecModel` family (family.py): `prefill` runs `encode` over the padded batch,
+`prepare_cross` and `decode_prefix` once per request; `decode_step` runs once per
+round for all beams. Model code knows tensors, not requests.
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from xrec.config import ModelConfig
-from xrec.model.attention import (Attention, attend, attend_beams, merge_states, shared_stage,
-                                  unshared_stage)
+from xrec.model.attention import (Attention, attend, attend_beams, merge_states, padding_mask,
+                                  shared_stage, unshared_stage)
+from xrec.model.family import RecModel
+from xrec.model.inputs import ModelInputs
 from xrec.model.kv import BeamKV, CrossKV, PrefixKV
 from xrec.model.layers import GatedFFN, RMSNorm, relative_position_bucket
 from xrec.model.moe import MoE
+
+PREFIXES = ("module.module3.t5_model.", "model.")
+# Copies of `shared.weight` that some T5 checkpoints carry; equal by construction.
+EMBEDDING_ALIASES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
+_RENAMES = [
+    # xllm dense FFN: gate_proj = gate, wi = up, wo = down
+    (re.compile(r"\.(?:DenseReluDense|ffn)\.gate_proj\.weight$"), ".DenseReluDense.wi_0.weight"),
+    (re.compile(r"\.(?:DenseReluDense|ffn)\.wi\.weight$"), ".DenseReluDense.wi_1.weight"),
+    (re.compile(r"\.ffn\.wo\.weight$"), ".DenseReluDense.wo.weight"),
+    # xllm MoE: router, experts' gate_proj/up_proj/down_proj
+    (re.compile(r"\.ffn\.router\.weight$"), ".ffn.gate.weight"),
+    (re.compile(r"\.(experts\.\d+|shared_experts)\.gate_proj\.weight$"), r".\1.w1.weight"),
+    (re.compile(r"\.(experts\.\d+|shared_experts)\.up_proj\.weight$"), r".\1.w3.weight"),
+    (re.compile(r"\.(experts\.\d+|shared_experts)\.down_proj\.weight$"), r".\1.w2.weight"),
+]
+
+
+@dataclass(frozen=True)
+class EncoderDecoderContext:
+    """What every decode round of a batch reads: the cross K/V and the decoder-prefix K/V."""
+
+    cross: CrossKV
+    prefix: PrefixKV
 
 
 class SelfAttentionSublayer(nn.Module):
@@ -109,14 +135,7 @@ class Stack(nn.Module):
         return windows if device.type == "cpu" else windows.contiguous()
 
 
-def padding_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
-    """`[B]` lengths -> additive key mask `[B, 1, 1, max_len]` (0 inside, -inf past the end)."""
-    inside = torch.arange(max_len, device=lengths.device) < lengths.unsqueeze(1)
-    zero = torch.zeros((), dtype=torch.float32, device=lengths.device)
-    return torch.where(inside, zero, float("-inf")).view(len(lengths), 1, 1, max_len)
-
-
-class OneRecModel(nn.Module):
+class OneRecModel(RecModel):
     """Encoder-decoder with shared embedding, optional decoder MoE, tied or untied LM head."""
 
     def __init__(self, config: ModelConfig):
@@ -128,10 +147,77 @@ class OneRecModel(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
 
-    # ---- encoder ---------------------------------------------------------
+    # ---- the family interface ------------------------------------------------
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.shared(token_ids)
+
+    def head_weight(self) -> tuple[torch.Tensor, float]:
+        if self.config.tie_word_embeddings:
+            return self.shared.weight, self.config.d_model ** -0.5 if self.config.scale_decoder_outputs else 1.0
+        return self.lm_head.weight, 1.0
+
+    def prefill(self, inputs: ModelInputs) -> tuple[torch.Tensor, EncoderDecoderContext]:
+        """Encoder, cross K/V and the causal pass over each request's decoder prefix."""
+        hidden, key_mask = self._encoder_input(inputs)
+        cross = self.prepare_cross(self.encode(hidden, key_mask), key_mask)
+        prefix, lengths, is_ragged = self._prefix(inputs)
+        last, prefix_kv = self.decode_prefix(prefix, lengths, is_ragged, cross)
+        return last, EncoderDecoderContext(cross, prefix_kv)
+
+    @classmethod
+    def canonical_name(cls, name: str, config: ModelConfig) -> str:
+        """Hugging Face T5 names: prefixes `module.module3.t5_model.` / `model.` stripped,
+        xllm's FFN and MoE names mapped."""
+        for prefix in PREFIXES:
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+                break
+        for pattern, replacement in _RENAMES:
+            name = pattern.sub(replacement, name)
+        if config.use_moe and re.match(r"decoder\.block\.\d+\.layer\.2\.DenseReluDense\.", name):
+            raise ValueError(f"tensor {name!r} is a dense FFN, but config.json says use_moe=true")
+        return name
+
+    @classmethod
+    def prepare_checkpoint(cls, tensors: dict[str, torch.Tensor], config: ModelConfig) -> None:
+        aliases = [n for n in EMBEDDING_ALIASES if n in tensors]
+        if "shared.weight" not in tensors and aliases:
+            tensors["shared.weight"] = tensors[aliases[0]]
+        for name in aliases:
+            del tensors[name]
+        if config.tie_word_embeddings:
+            tensors.pop("lm_head.weight", None)  # some exporters write the tied head out; it is `shared`
+        if config.use_absolute_position_embedding:
+            # a T5 checkpoint switched to absolute mode may still carry zeroed bias tables
+            for name in [n for n in tensors if n.endswith("relative_attention_bias.weight")]:
+                if tensors[name].count_nonzero():
+                    raise ValueError(f"tensor {name!r} holds a non-zero relative position bias, "
+                                     "but config.json says use_absolute_position_embedding=true")
+                del tensors[name]
+
+    def _encoder_input(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        device = self.device
+        hidden = self.embed(inputs.token_ids.to(device, non_blocking=True))   # [B, L, D]
+        if inputs.embedding_rows:
+            index = torch.tensor(inputs.embedding_rows, device=device)
+            hidden.index_copy_(0, index, inputs.embeddings.to(device, hidden.dtype, non_blocking=True))
+        if not inputs.is_ragged:
+            return hidden, None
+        return hidden, padding_mask(torch.tensor(inputs.lengths, device=device), hidden.shape[1])
+
+    def _prefix(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        device = self.device
+        num_prefix = max(inputs.prefix_lengths)
+        bos = torch.full((inputs.num_requests, num_prefix), self.config.bos_token_id, device=device)
+        prefix = self.embed(bos)                                           # [B, P, D]
+        if inputs.context_rows:
+            index = torch.tensor(inputs.context_rows, device=device)
+            prefix.index_copy_(0, index, inputs.contexts.to(device, prefix.dtype, non_blocking=True))
+        lengths = torch.tensor(inputs.prefix_lengths, device=device)
+        return prefix, lengths, min(inputs.prefix_lengths) != num_prefix
+
+    # ---- encoder ---------------------------------------------------------
 
     def encode(self, hidden: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         """`hidden [B, L, D]` (embedded ids or sparse embeddings), `key_mask [B, 1, 1, L]`
@@ -191,11 +277,13 @@ class OneRecModel(nn.Module):
         last = self.decoder.final_layer_norm(last)
         return last, PrefixKV(torch.stack(ks), torch.stack(vs), lengths, is_ragged)
 
-    def decode_step(self, hidden: torch.Tensor, round_index: int, prefix: PrefixKV, beams: BeamKV,
-                    cross: CrossKV) -> torch.Tensor:
-        """One token per beam. `hidden [B, W, D]` embeds the tokens chosen in round
-        `round_index - 1`; their K/V go to unshared slot `round_index - 1`.
-        Returns the final decoder hidden state `[B, W, D]`."""
+    def decode_step(self, token_ids: torch.Tensor, round_index: int, context: EncoderDecoderContext,
+                    beams: BeamKV) -> torch.Tensor:
+        """One token per beam: `token_ids [B, W]` were chosen in round `round_index - 1`;
+        their K/V go to unshared slot `round_index - 1`. Returns the final decoder hidden
+        state `[B, W, D]`."""
+        hidden = self.embed(token_ids)                                    # [B, W, D]
+        prefix, cross = context.prefix, context.cross
         slot = round_index - 1
         shared_bias, unshared_bias = self._step_biases(round_index, prefix, hidden.shape[0])
         scale = self.config.attention_scale
@@ -240,62 +328,6 @@ class OneRecModel(nn.Module):
         slots = torch.arange(round_index, device=device)
         unshared = self.decoder.position_bias((slots - (round_index - 1)).unsqueeze(0))  # [H, 1, S]
         return shared, None if unshared is None else unshared.squeeze(1)
-
-    # ---- LM head ---------------------------------------------------------
-
-    def _head_weight(self) -> tuple[torch.Tensor, float]:
-        if self.config.tie_word_embeddings:
-            return self.shared.weight, self.config.d_model ** -0.5 if self.config.scale_decoder_outputs else 1.0
-        return self.lm_head.weight, 1.0
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits `[..., V]`, float32."""
-        weight, scale = self._head_weight()
-        return ((hidden * scale) @ weight.T).float()
-
-    def logits_logsumexp(self, hidden: torch.Tensor, row_scale: torch.Tensor | None = None,
-                         block_rows: int = 128) -> torch.Tensor:
-        """log-sum-exp over the vocabulary of `logits(hidden) * row_scale`, `hidden [N, D]`,
-        `row_scale [N]` or None -> `[N]` float32, without materialising `[N, V]`.
-
-        Computed as `weight @ hidden.T` (`[V, rows]`: ~1.8x the GEMM speed of the `[rows, V]`
-        product on a CPU) and reduced over the vocabulary axis. On a CPU the rows go through
-        in blocks so that each block's logits stay in cache; on a GPU one block covers all.
-        """
-        weight, scale = self._head_weight()
-        num_rows, vocab = hidden.shape[0], weight.shape[0]
-        block = num_rows if hidden.device.type != "cpu" else min(block_rows, num_rows)
-        buffer = torch.empty(vocab * block, dtype=hidden.dtype, device=hidden.device)
-        out = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
-        scaled = hidden * scale
-        for start in range(0, num_rows, block):  # blocks of rows, a handful per round
-            stop = min(start + block, num_rows)
-            logits = torch.mm(weight, scaled[start:stop].T,
-                              out=buffer[:vocab * (stop - start)].view(vocab, stop - start)).float()
-            if row_scale is not None:
-                logits = logits * row_scale[start:stop]
-            torch.logsumexp(logits, dim=0, out=out[start:stop])
-        return out
-
-    def candidate_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor,
-                         block_bytes: int = 2 << 20) -> torch.Tensor:
-        """Logits of chosen tokens only: `hidden [N, D]`, `token_ids [N, C]` -> `[N, C]`.
-
-        The gathered head rows `[N, C, D]` are multiplied in place and summed (~5x faster
-        than a bmm of N matrix-vectors). On a CPU they go through in blocks of about
-        `block_bytes`, so the gather stays in cache instead of faulting in N x C x D fresh
-        values; on a GPU one block covers all rows.
-        """
-        weight, scale = self._head_weight()
-        scaled = (hidden * scale).unsqueeze(1)                            # [N, 1, D]
-        num_rows, num_cand = token_ids.shape
-        row_bytes = max(1, num_cand * weight.shape[1] * weight.element_size())
-        block = num_rows if hidden.device.type != "cpu" else max(1, block_bytes // row_bytes)
-        out = torch.empty((num_rows, num_cand), dtype=hidden.dtype, device=hidden.device)
-        for start in range(0, num_rows, block):  # blocks of rows, a handful per round
-            rows = F.embedding(token_ids[start:start + block], weight)   # [n, C, D]
-            torch.sum(rows.mul_(scaled[start:start + block]), -1, out=out[start:start + block])
-        return out.float()
 
 
 def _add_masks(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:

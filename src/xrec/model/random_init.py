@@ -1,27 +1,34 @@
-"""Deterministic random weights for a config (test and demo models)."""
+"""Deterministic random weights for a config of either family (test and demo models)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from xrec.config import ModelConfig
-from xrec.model.onerec import OneRecModel
+from xrec.model.registry import model_class
+
+_NORMS = ("layer_norm.weight", "layernorm.weight", "norm.weight")
 
 
-def random_state_dict(config: ModelConfig, seed: int, progress: bool = False) -> dict[str, torch.Tensor]:
+def random_state_dict(config: Any, seed: int, progress: bool = False) -> dict[str, torch.Tensor]:
     """Weights drawn from a seeded generator: norms near 1, projections ~ N(0, 1/fan_in),
-    embeddings ~ N(0, 1), bias tables ~ N(0, 1) so that positions matter."""
+    biases ~ N(0, 0.1). OneRec's shared embedding and bias tables ~ N(0, 1) (its tied head
+    scales by d_model**-0.5, and position biases must matter); a Qwen embedding, which is
+    also its tied head, ~ N(0, 1/hidden) like a projection (logits of unit scale)."""
     with torch.device("meta"):
-        shapes = {name: p.shape for name, p in OneRecModel(config).state_dict().items()}
+        shapes = {name: p.shape for name, p in model_class(config)(config).state_dict().items()}
     generator = torch.Generator().manual_seed(seed)
     total = sum(s.numel() for s in shapes.values())
     bar = tqdm(total=total, unit="param", unit_scale=True, desc="weights",
                disable=not progress or total < 50_000_000)
     tensors = {}
     for name, shape in shapes.items():
-        if name.endswith("layer_norm.weight"):
+        if name.endswith(_NORMS):
             tensor = 1.0 + 0.1 * torch.randn(shape, generator=generator)
+        elif name.endswith(".bias"):
+            tensor = 0.1 * torch.randn(shape, generator=generator)
         elif name == "shared.weight" or "relative_attention_bias" in name:
             tensor = torch.randn(shape, generator=generator)
         else:

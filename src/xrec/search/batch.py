@@ -9,32 +9,22 @@ import numpy as np
 import torch
 
 from xrec.api_types import ValidRequest
+from xrec.model.inputs import ModelInputs
 
 
 @dataclass(frozen=True)
 class StepBatch:
-    """One batch's inputs on the host, padded to the batch's longest request.
+    """One batch on the host: the model's inputs and each request's search settings."""
 
-    `token_ids [B, L]` (zeros for requests that give embeddings), `embeddings
-    [len(embedding_rows), L, D]` for the requests in `embedding_rows`;
-    `contexts [len(context_rows), P, D]` replace BOS for `context_rows`.
-    """
-
-    token_ids: torch.Tensor
-    encoder_lengths: list[int]
+    inputs: ModelInputs
     beam_widths: list[int]
     num_results: list[int]
-    embedding_rows: list[int]
-    embeddings: torch.Tensor | None
-    context_rows: list[int]
-    contexts: torch.Tensor | None
-    prefix_lengths: list[int]
     full_rows: list[int]
     temperatures: list[float]
 
     @property
     def num_requests(self) -> int:
-        return len(self.encoder_lengths)
+        return len(self.beam_widths)
 
 
 def prepare_batch(requests: Sequence[ValidRequest], d_model: int, pin_memory: bool = False) -> StepBatch:
@@ -63,13 +53,13 @@ def prepare_batch(requests: Sequence[ValidRequest], d_model: int, pin_memory: bo
         t = torch.from_numpy(array)
         return t.pin_memory() if pin_memory else t
 
+    inputs = ModelInputs(token_ids=tensor(token_ids), lengths=[r.input_len for r in requests],
+                         embedding_rows=embedding_rows, embeddings=tensor(embeddings),
+                         context_rows=context_rows, contexts=tensor(contexts),
+                         prefix_lengths=[r.prefix_len for r in requests])
     return StepBatch(
-        token_ids=tensor(token_ids),
-        encoder_lengths=[r.input_len for r in requests],
+        inputs=inputs,
         beam_widths=[r.beam_width for r in requests],
         num_results=[r.num_results for r in requests],
-        embedding_rows=embedding_rows, embeddings=tensor(embeddings),
-        context_rows=context_rows, contexts=tensor(contexts),
-        prefix_lengths=[r.prefix_len for r in requests],
         full_rows=[i for i, r in enumerate(requests) if r.normalize == "full"],
         temperatures=[r.temperature for r in requests])

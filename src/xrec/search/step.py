@@ -1,11 +1,12 @@
 """RecStep: one batch of requests, all R rounds, on one device (and stream).
 
-    round 0:  encoder -> cross K/V -> decoder prefix -> top-W first tokens
-    round r:  decoder step for B x W beams (xAttention) -> constrained top-K
+    round 0:  model.prefill (encoder + decoder prefix, or the prompt) -> top-W first tokens
+    round r:  model.decode_step for B x W beams (xAttention) -> constrained top-K
               -> global top-W (top-N in the last round) -> reorder beam K/V
 
-The rounds run back to back without a host synchronisation; the results are
-copied to the host once at the end.
+The search never asks which model family runs (model/family.py). The rounds run
+back to back without a host synchronisation; the results are copied to the host
+once at the end.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ import numpy as np
 import torch
 
 from xrec.catalog import ConstraintTables
-from xrec.model.kv import BeamKV
-from xrec.model.onerec import OneRecModel, padding_mask
+from xrec.model.family import RecModel
 from xrec.search.batch import StepBatch
 from xrec.search.workspace_buffers import Workspace
 from xrec.search.beam import (follow_parents, gather_children, mask_beyond, normalize,
@@ -42,7 +42,7 @@ class RecStep:
     `tables` None means unconstrained decoding over the whole vocabulary.
     """
 
-    def __init__(self, model: OneRecModel, tables: ConstraintTables | None, rounds: int = 3):
+    def __init__(self, model: RecModel, tables: ConstraintTables | None, rounds: int = 3):
         if tables is not None and tables.max_children[0] == 0:
             raise ValueError("the catalog has no items: constrained decoding has nothing to choose from")
         if tables is not None and rounds != tables.num_levels:
@@ -50,7 +50,7 @@ class RecStep:
             raise ValueError(f"rounds={rounds}, but the catalog's semantic IDs have {tables.num_levels} "
                              f"tokens; constrained decoding needs rounds={tables.num_levels}")
         self.model, self.tables, self.rounds = model, tables, rounds
-        self.device = model.shared.weight.device
+        self.device = model.device
         vocab = model.config.vocab_size
         # Below a quarter of the vocabulary, LM-head rows of the children beat the full head.
         self.is_narrow = [False] + ([4 * c < vocab for c in tables.max_children[1:]]
@@ -69,12 +69,7 @@ class RecStep:
             torch.tensor([t or 1.0 for t in batch.temperatures], device=device).view(-1, 1, 1)
         rows = _Rows(batch.full_rows, num_batch, device, temps)
 
-        # round 0: encoder, cross K/V, shared prefix
-        hidden, key_mask = self._encoder_input(batch)
-        cross = model.prepare_cross(model.encode(hidden, key_mask), key_mask)
-        prefix, prefix_lengths, is_ragged = self._prefix(batch)
-        last, prefix_kv = model.decode_prefix(prefix, prefix_lengths, is_ragged, cross)
-
+        last, context = model.prefill(batch.inputs)                          # [B, D], shared state
         nodes = torch.zeros((num_batch, 1), dtype=torch.long, device=device)
         scores = torch.zeros((num_batch, 1), device=device)
         tokens = torch.zeros((num_batch, 1, 0), dtype=torch.long, device=device)
@@ -86,13 +81,10 @@ class RecStep:
             keep = num_out if is_last else num_beams
             if round_index > 0:
                 if beams is None:
-                    cfg = model.config
-                    beams = BeamKV(cfg.num_decoder_layers, num_batch, num_beams, self.rounds - 1,
-                                   cfg.decoder_num_kv_heads, cfg.decoder_head_dim,
-                                   step_hidden.dtype, device,
-                                   None if workspace is None else workspace.take)
-                step_hidden = model.decode_step(model.embed(tokens[:, :, -1]), round_index,
-                                                prefix_kv, beams, cross)   # [B, W, D]
+                    beams = model.new_beam_kv(num_batch, num_beams, self.rounds,
+                                              None if workspace is None else workspace.take)
+                step_hidden = model.decode_step(tokens[:, :, -1], round_index, context,
+                                                beams)                     # [B, W, D]
             lp, cand_tokens, first = self._candidates(step_hidden, nodes, round_index, keep, rows)
             num_cand = lp.shape[-1]
             cand_scores = (scores.unsqueeze(-1) + lp).flatten(1)           # [B, W*C]
@@ -149,29 +141,6 @@ class RecStep:
         lp = normalize(logits, children.is_valid, None)
         lp[index] = normalize(logits[index], children.is_valid[index], lse)
         return lp, children.tokens, children.first
-
-    def _encoder_input(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        device = self.device
-        dtype = self.model.shared.weight.dtype
-        hidden = self.model.embed(batch.token_ids.to(device, non_blocking=True))   # [B, L, D]
-        if batch.embedding_rows:
-            index = torch.tensor(batch.embedding_rows, device=device)
-            hidden.index_copy_(0, index, batch.embeddings.to(device, dtype, non_blocking=True))
-        lengths = batch.encoder_lengths
-        if min(lengths) == max(lengths):
-            return hidden, None
-        return hidden, padding_mask(torch.tensor(lengths, device=device), hidden.shape[1])
-
-    def _prefix(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        device, model = self.device, self.model
-        num_prefix = max(batch.prefix_lengths)
-        bos = torch.full((batch.num_requests, num_prefix), model.config.bos_token_id, device=device)
-        prefix = model.embed(bos)                                          # [B, P, D]
-        if batch.context_rows:
-            index = torch.tensor(batch.context_rows, device=device)
-            prefix.index_copy_(0, index, batch.contexts.to(device, prefix.dtype, non_blocking=True))
-        lengths = torch.tensor(batch.prefix_lengths, device=device)
-        return prefix, lengths, min(batch.prefix_lengths) != num_prefix
 
 
 class _Rows:

@@ -6,6 +6,7 @@ it in `xrec.server.run`; tests may also drive it through
 
     POST /v1/rec/completions   native JSON (schemas.NativeRequest)
     POST /v1/completions       xllm-compatible (schemas.XllmRequest)
+    POST /v1/chat/completions  OpenAI / xllm chat (chat.ChatRequest), models with a chat template
     GET  /v1/models            OpenAI list shape; GET /v1/models/{name}
     GET  /health               200 serving; 503 loading or draining
     GET  /metrics              Prometheus text
@@ -56,14 +57,19 @@ from starlette.requests import ClientDisconnect
 
 from xrec.errors import (Cancelled, Internal, InvalidArgument, NotFound, PayloadTooLarge,
                          Unauthenticated, Unavailable, XrecError)
-from xrec.server import schemas
+from xrec.server import chat, schemas
 from xrec.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
 THREAD_PARSE_BYTES = 1 << 20
-COMPLETION_PATHS = {"/v1/rec/completions": "native", "/v1/completions": "xllm"}
+COMPLETION_PATHS = {"/v1/rec/completions": "native", "/v1/completions": "xllm",
+                    "/v1/chat/completions": "chat"}
+# api -> (body schema, body -> RecRequest)
+REQUEST_SHAPES = {"native": (schemas.NativeRequest, schemas.native_request),
+                  "xllm": (schemas.XllmRequest, schemas.xllm_request),
+                  "chat": (chat.ChatRequest, chat.chat_request)}
 
 
 class XrecService:
@@ -111,12 +117,7 @@ class XrecService:
                 parsed, request_id, future, input_len = self._accept(engine, body, api)
             self.metrics.on_accepted(input_len)
             result = await _await_answer(future, request)
-            if api == "native":
-                payload = schemas.native_response(result, self.model_name)
-            else:
-                items_on = engine.catalog is not None and parsed.return_items
-                payload = schemas.xllm_response(result, self.model_name, engine.options.rounds,
-                                                items_on)
+            payload = self._payload(engine, api, parsed, result)
             response = Response(_dumps(payload), media_type="application/json",
                                 headers={"X-Request-Id": request_id})
             code = "OK"
@@ -131,6 +132,17 @@ class XrecService:
             return error_response(Internal(f"{type(e).__name__}: {e}"), request_id)
         finally:
             self.metrics.on_finished(api, code, time.perf_counter() - started)
+
+    def _payload(self, engine: Any, api: str, parsed: Any, result: Any) -> dict:
+        """The answer's JSON object in the route's shape."""
+        if api == "native":
+            return schemas.native_response(result, self.model_name)
+        if api == "xllm":
+            items_on = engine.catalog is not None and parsed.return_items
+            return schemas.xllm_response(result, self.model_name, engine.options.rounds, items_on)
+        tokenizer = engine.tokenizer
+        return chat.chat_response(result, self.model_name, engine.options.rounds, parsed,
+                                  tokenizer.id_to_token if tokenizer is not None else lambda i: None)
 
     def _hold_wakeups_this_iteration(self, engine: Any) -> None:
         """Hold the scheduler's wake-up until the end of this event-loop iteration: the
@@ -153,20 +165,19 @@ class XrecService:
         return self.engine
 
     def _accept(self, engine: Any, body: bytes, api: str) -> tuple[Any, str, Future, int]:
-        """Parse, check and submit: (parsed body, request id, the engine's future, input length)."""
-        schema = schemas.NativeRequest if api == "native" else schemas.XllmRequest
+        """Parse, check (prompts are tokenized here) and submit: (parsed body, request id,
+        the engine's future, input length)."""
+        schema, convert = REQUEST_SHAPES[api]
         parsed = schemas.parse_body(body, schema)
         request_id = parsed.request_id if parsed.request_id is not None else uuid.uuid4().hex
         try:
             self._check_model(parsed.model)
-            convert = schemas.native_request if api == "native" else schemas.xllm_request
-            rec = convert(parsed, request_id)
-            future = engine.submit(rec)
+            valid = engine.validate(convert(parsed, request_id))
+            future = engine.submit_valid(valid)
         except XrecError as e:
             e.request_id = e.request_id or request_id
             raise
-        length = len(rec.token_ids) if rec.token_ids is not None else len(rec.sparse_embedding)
-        return parsed, request_id, future, length
+        return parsed, request_id, future, valid.input_len
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -285,6 +296,10 @@ def create_app(engine: Any, *, served_model_name: str | None = None, api_key: st
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await service.complete(request, "xllm")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await service.complete(request, "chat")
 
     @app.get("/v1/models")
     async def models() -> dict:

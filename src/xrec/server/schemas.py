@@ -16,7 +16,8 @@ Decisions where `spec/serving.md` is silent:
   `CompletionRequest` proto or one of the xrec extensions
   (`num_return_sequences`, `normalize`, `return_items`, `timeout_ms`). Proto
   fields that mean nothing here (`temperature`, `top_p`, `n`, `echo`, ...)
-  are accepted and ignored; `stream: true` and a non-empty `prompt` are 400.
+  are accepted and ignored; `stream: true` is 400. A non-empty `prompt` is
+  text for a model with a tokenizer (decoder-only); an empty one is absent.
 - A JSON number must be a number: `"NaN"` (a string) is a schema error (422);
   the non-standard literals `NaN` / `Infinity` and overflowing numbers such as
   `1e999` parse and are refused by the engine (400).
@@ -29,7 +30,8 @@ Decisions where `spec/serving.md` is silent:
   `routing` (`prefill_name`, `decode_name`) is accepted and ignored:
   `token_ids` are used with or without it (xllm uses them only with it).
   `top_k` <= 0 means "the default" (xllm's -1 = no cutoff).
-- xllm response: `choices[i].text` is the semantic ID as decimal token ids
+- xllm response: `choices[i].text` is the semantic ID as text when the model
+  has a tokenizer (`"<s_a_1><s_b_2><s_c_3>"`), else its decimal token ids
   joined by spaces (`"12 7 99"`); `logprobs` (`tokens`, `token_ids`,
   `token_logprobs`) is always filled, whatever the request's `logprobs`
   says, as xllm's rec path does with `enable_rec_score_output`.
@@ -56,7 +58,7 @@ from xrec.api_types import RecRequest, RecResponse
 from xrec.errors import InvalidArgument
 
 EMBEDDING_NAMES = ("sparse_embedding", "decoder_context_embedding")
-_STRICT = ConfigDict(strict=True, extra="forbid")
+STRICT = ConfigDict(strict=True, extra="forbid")
 
 
 class SchemaError(InvalidArgument):
@@ -66,16 +68,18 @@ class SchemaError(InvalidArgument):
 
 
 class Matrix(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     shape: list[int]
     data: list[float] | None = None
     b64: str | None = None
 
 
 class NativeRequest(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     model: str | None = None
     token_ids: list[int] | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
     sparse_embedding: Matrix | None = None
     decoder_context_embedding: Matrix | None = None
     beam_width: int | None = None
@@ -92,7 +96,7 @@ class NativeRequest(BaseModel):
 class TensorContents(BaseModel):
     """xllm's `InferTensorContents`; only `fp32_contents` is used (FLOAT tensors)."""
 
-    model_config = _STRICT
+    model_config = STRICT
     fp32_contents: list[float] | None = None
     bool_contents: list[Any] | None = None
     int_contents: list[Any] | None = None
@@ -104,7 +108,7 @@ class TensorContents(BaseModel):
 
 
 class InputTensor(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     name: str
     data_type: str | int
     shape: list[int]
@@ -112,7 +116,7 @@ class InputTensor(BaseModel):
 
 
 class Routing(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     prefill_name: str = ""
     decode_name: str = ""
 
@@ -120,7 +124,7 @@ class Routing(BaseModel):
 class XllmRequest(BaseModel):
     """xllm's `CompletionRequest` (completion.proto) as JSON, plus xrec extensions."""
 
-    model_config = _STRICT
+    model_config = STRICT
     model: str | None = None
     prompt: str | None = None
     token_ids: list[int] | None = None
@@ -187,7 +191,7 @@ def _describe(errors: list[dict]) -> str:
 
 def native_request(req: NativeRequest, request_id: str) -> RecRequest:
     return RecRequest(
-        token_ids=req.token_ids,
+        token_ids=req.token_ids, prompt=req.prompt, messages=req.messages,
         sparse_embedding=_matrix("sparse_embedding", req.sparse_embedding),
         decoder_context_embedding=_matrix("decoder_context_embedding",
                                           req.decoder_context_embedding),
@@ -201,9 +205,6 @@ def xllm_request(req: XllmRequest, request_id: str) -> RecRequest:
     if req.stream:
         raise InvalidArgument("stream: got true; streaming is not supported (a result is "
                               "one short semantic ID)")
-    if req.prompt:
-        raise InvalidArgument("prompt: text prompts are not supported; give token_ids or an "
-                              "input_tensors entry named sparse_embedding")
     if req.max_tokens is not None and req.max_tokens < 0:
         raise InvalidArgument(f"max_tokens: got {req.max_tokens}, expected >= 0 (it is ignored)")
     if isinstance(req.logprobs, int) and not isinstance(req.logprobs, bool) and req.logprobs < 0:
@@ -230,7 +231,8 @@ def xllm_request(req: XllmRequest, request_id: str) -> RecRequest:
                                             "contents.fp32_contents")
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else None
     return RecRequest(
-        token_ids=req.token_ids, sparse_embedding=tensors.get("sparse_embedding"),
+        token_ids=req.token_ids, prompt=req.prompt or None,
+        sparse_embedding=tensors.get("sparse_embedding"),
         decoder_context_embedding=tensors.get("decoder_context_embedding"),
         beam_width=req.beam_width, top_k=top_k, num_return_sequences=req.num_return_sequences,
         normalize=req.normalize, return_items=req.return_items, timeout_ms=req.timeout_ms,
@@ -278,8 +280,8 @@ def _shape(name: str, shape: list[int]) -> tuple[int, int]:
 def native_response(response: RecResponse, model: str) -> dict:
     """The native answer. Each result is the `RecCandidate` itself: orjson writes a
     dataclass as an object of its fields (tokens, score, token_logprobs, items of
-    item_id/did/type), which is this route's result schema, 2.4x faster than building
-    the dicts (tests/test_server.py checks the exact shape)."""
+    item_id/did/type, text), which is this route's result schema, 2.4x faster than
+    building the dicts (tests/test_server.py checks the exact shape)."""
     return {"id": response.request_id, "model": model, "results": response.results,
             "usage": response.usage, "timing": response.timing}
 
@@ -289,7 +291,7 @@ def xllm_response(response: RecResponse, model: str, rounds: int, is_items_on: b
     choices, item_ids, tokens, logprobs = [], [], [], []
     for index, r in enumerate(results):
         ids, lps = list(r.tokens), list(r.token_logprobs)
-        choices.append({"index": index, "text": " ".join(map(str, ids)),
+        choices.append({"index": index, "text": r.text or " ".join(map(str, ids)),
                         "logprobs": {"tokens": [str(t) for t in ids], "token_ids": ids,
                                      "token_logprobs": lps},
                         "finish_reason": "stop"})

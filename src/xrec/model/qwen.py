@@ -1,0 +1,167 @@
+"""Decoder-only Qwen2 / Qwen3 / Qwen3-MoE LMs (spec/decoder-only.md) with Hugging Face names.
+
+A `RecModel` family (family.py). Round 0 (`prefill`) runs each request's prompt
+once, causally, and keeps its K/V: the *shared* prefix of all its beams. Rounds
+r >= 1 (`decode_step`) feed one token per beam at RoPE position
+`prompt_len + r - 1`; the beams' queries attend to the shared prompt K/V (one
+copy per request) and to their own generated tokens (the per-beam K/V), merged by
+log-sum-exp (xAttention, attention.py).
+
+    h = embed_tokens(ids)
+    per layer:  h += o_proj(attn(rope(q_norm(q)), rope(k_norm(k)), v))   (input_layernorm first)
+                h += mlp(post_attention_layernorm(h))                     (SwiGLU or SparseMoE)
+    norm(h) -> LM head (tied: embed_tokens)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from xrec.model.attention import (attend, attend_beams, merge_states, padding_mask, shared_stage,
+                                  unshared_stage)
+from xrec.model.family import RecModel
+from xrec.model.inputs import ModelInputs
+from xrec.model.kv import BeamKV, PrefixKV
+from xrec.model.layers import RMSNorm, SwiGLU
+from xrec.model.moe import SparseMoE
+from xrec.model.rope import apply_rope, rope_tables
+from xrec.qwen_config import QwenConfig
+
+
+class QwenAttention(nn.Module):
+    """q/k/v/o projections (biases as the model type has them) and Qwen3's per-head q/k norms."""
+
+    def __init__(self, config: QwenConfig):
+        super().__init__()
+        d, heads, kv, hd = (config.hidden_size, config.num_attention_heads,
+                            config.num_key_value_heads, config.head_dim)
+        self.num_heads, self.num_kv_heads, self.head_dim = heads, kv, hd
+        self.q_proj = nn.Linear(d, heads * hd, bias=config.has_qkv_bias)
+        self.k_proj = nn.Linear(d, kv * hd, bias=config.has_qkv_bias)
+        self.v_proj = nn.Linear(d, kv * hd, bias=config.has_qkv_bias)
+        self.o_proj = nn.Linear(heads * hd, d, bias=config.has_o_bias)
+        if config.has_qk_norm:
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`x [..., D]` -> q `[..., H, Dh]`, k and v `[..., kvH, Dh]`, q and k normed and rotated
+        (`cos`/`sin` broadcast over the head axis)."""
+        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
+        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+class QwenLayer(nn.Module):
+    def __init__(self, config: QwenConfig, index: int):
+        super().__init__()
+        self.self_attn = QwenAttention(config)
+        self.mlp = SparseMoE(config) if config.is_moe_layer(index) else \
+            SwiGLU(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class QwenBody(nn.Module):
+    """`model.*` of a Hugging Face checkpoint: embeddings, layers, final norm."""
+
+    def __init__(self, config: QwenConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(QwenLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class QwenModel(RecModel):
+    """A Qwen causal LM whose vocabulary holds itemic tokens, driven by the search."""
+
+    def __init__(self, config: QwenConfig):
+        super().__init__()
+        self.config = config
+        self.model = QwenBody(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.scale = config.head_dim ** -0.5
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(token_ids)
+
+    def head_weight(self) -> tuple[torch.Tensor, float]:
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.weight, 1.0
+        return self.lm_head.weight, 1.0
+
+    @classmethod
+    def prepare_checkpoint(cls, tensors: dict[str, torch.Tensor], config: QwenConfig) -> None:
+        if config.tie_word_embeddings:
+            tensors.pop("lm_head.weight", None)  # some exporters write the tied head out
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
+
+    def prefill(self, inputs: ModelInputs) -> tuple[torch.Tensor, PrefixKV]:
+        """Each prompt once, causally (right padding: a real position never sees a padded
+        one). Returns the final hidden state of each prompt's last position `[B, D]` and
+        the prompt K/V `[layers, B, kvH, L, Dh]` every beam of the request will share.
+
+        The last layer runs its queries, attention output and MLP for the last position
+        of each prompt only: no other position's output is read."""
+        device = self.device
+        token_ids = inputs.token_ids.to(device, non_blocking=True)        # [B, L]
+        num_batch, num_len = token_ids.shape
+        cfg = self.config
+        hidden = self.embed(token_ids)                                    # [B, L, D]
+        cos, sin = self._rope(torch.arange(num_len, device=device))       # [L, Dh]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                     # [L, 1, Dh]
+        lengths = torch.tensor(inputs.lengths, device=device)
+        rows = torch.arange(num_batch, device=device)
+        kv = torch.empty((2, cfg.num_hidden_layers, num_batch, cfg.num_key_value_heads, num_len,
+                          cfg.head_dim), dtype=hidden.dtype, device=device)  # [2, layers, B, kvH, L, Dh]
+        layers = self.model.layers
+        for index, layer in enumerate(layers):
+            q, k, v = layer.self_attn.project(layer.input_layernorm(hidden), cos, sin)
+            keys, values = kv[0, index], kv[1, index]
+            keys.copy_(k.transpose(1, 2))
+            values.copy_(v.transpose(1, 2))
+            if index < len(layers) - 1:
+                out = attend(q.transpose(1, 2), keys, values, None, self.scale, is_causal=True)
+                hidden = hidden + layer.self_attn.o_proj(out.transpose(1, 2).flatten(2))
+            else:  # only the last position of each prompt goes on
+                key_mask = padding_mask(lengths, num_len) if inputs.is_ragged else None
+                q_last = q[rows, lengths - 1].unsqueeze(1)                # [B, 1, H, Dh]
+                out = attend_beams(q_last, keys, values, key_mask, self.scale)
+                hidden = hidden[rows, lengths - 1].unsqueeze(1) + layer.self_attn.o_proj(out.flatten(2))
+            hidden = layer.feed_forward(hidden)
+        last = self.model.norm(hidden[:, -1])                             # [B, D]
+        return last, PrefixKV(kv[0], kv[1], lengths, inputs.is_ragged)
+
+    def decode_step(self, token_ids: torch.Tensor, round_index: int, context: PrefixKV,
+                    beams: BeamKV) -> torch.Tensor:
+        """One token per beam at position `prompt_len + round_index - 1` of its request:
+        shared stage over the prompt K/V, unshared stage over the beam's own tokens."""
+        prompt, slot = context, round_index - 1
+        hidden = self.embed(token_ids)                                    # [B, W, D]
+        num_batch, num_prompt = hidden.shape[0], prompt.k.shape[3]
+        cos, sin = self._rope(prompt.lengths + slot)                      # [B, Dh]
+        cos, sin = cos.view(num_batch, 1, 1, -1), sin.view(num_batch, 1, 1, -1)
+        pad = padding_mask(prompt.lengths, num_prompt).view(num_batch, 1, num_prompt) \
+            if prompt.is_ragged else None                                 # [B, 1, P]
+        for index, layer in enumerate(self.model.layers):
+            q, k_new, v_new = layer.self_attn.project(layer.input_layernorm(hidden), cos, sin)
+            beam_k, beam_v = beams.layer(index)                           # [B, W, R-1, kvH, Dh]
+            beam_k[:, :, slot] = k_new
+            beam_v[:, :, slot] = v_new
+            o_s, lse_s = shared_stage(q, prompt.k[index], prompt.v[index], pad, self.scale)
+            o_u, lse_u = unshared_stage(q, beam_k[:, :, :slot + 1], beam_v[:, :, :slot + 1], None,
+                                        self.scale)
+            hidden = hidden + layer.self_attn.o_proj(merge_states(o_s, lse_s, o_u, lse_u).flatten(2))
+            hidden = layer.feed_forward(hidden)
+        return self.model.norm(hidden)

@@ -1,0 +1,118 @@
+"""`POST /v1/chat/completions`: OpenAI / xllm chat requests for models with a chat template.
+
+The request's `messages` are rendered with the model directory's chat template
+and tokenized at the edge (`Engine.validate`), then searched like any request.
+The answer has one `choices[i]` per result, best first:
+
+    {"index": i, "message": {"role": "assistant", "content": "<s_a_1><s_b_2><s_c_3>"},
+     "finish_reason": "stop", "logprobs": {"content": [...]} or null,
+     "token_ids": [t0, t1, t2], "score": -1.2, "items": [{"item_id", "did", "type"}]}
+
+Decisions where spec/decoder-only.md is silent:
+
+- Items and the score sit beside the message in each choice (`choices[i].items`,
+  `choices[i].score`, `choices[i].token_ids`): OpenAI clients ignore unknown
+  fields, and a result's items belong to that choice.
+- `n` and `num_return_sequences` both mean N (results); given both, they must agree.
+- `logprobs: true` fills `choices[i].logprobs.content` with one entry per token
+  (`token`, `logprob`, `bytes`, `top_logprobs`); `top_logprobs` must be 0..20 and the
+  lists stay empty: a beam search scores the tokens it keeps, not alternatives.
+- `max_tokens` / `max_completion_tokens` are accepted and ignored for length (a
+  semantic ID has R tokens); sampling knobs (`temperature`, `top_p`, penalties,
+  `seed`, `stop`) are accepted and ignored, as on `/v1/completions`; `stream: true`
+  is 400.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pydantic import BaseModel
+
+from xrec.api_types import RecRequest, RecResponse
+from xrec.errors import InvalidArgument
+from xrec.server.schemas import STRICT
+
+MAX_TOP_LOGPROBS = 20
+
+
+class ChatRequest(BaseModel):
+    model_config = STRICT
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    beam_width: int | None = None
+    n: int | None = None
+    num_return_sequences: int | None = None
+    top_k: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    request_id: str | None = None
+    stream: bool | None = None
+    # xrec extensions
+    normalize: str | None = None
+    return_items: bool = True
+    timeout_ms: float | None = None
+    # OpenAI fields accepted and ignored
+    temperature: Any = None
+    top_p: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    seed: Any = None
+    stop: Any = None
+    user: Any = None
+    stream_options: Any = None
+    response_format: Any = None
+    logit_bias: Any = None
+    service_tier: Any = None
+    metadata: Any = None
+
+
+def chat_request(req: ChatRequest, request_id: str) -> RecRequest:
+    if req.stream:
+        raise InvalidArgument("stream: got true; streaming is not supported (a result is one "
+                              "short semantic ID)")
+    if req.n is not None and req.num_return_sequences is not None and req.n != req.num_return_sequences:
+        raise InvalidArgument(f"n: got {req.n} and num_return_sequences {req.num_return_sequences}; "
+                              "they mean the same (results), give one")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument(f"top_logprobs: got {req.top_logprobs}, allowed range "
+                              f"[0, {MAX_TOP_LOGPROBS}]")
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = getattr(req, name)
+        if value is not None and value < 0:
+            raise InvalidArgument(f"{name}: got {value}, expected >= 0 (it is ignored)")
+    return RecRequest(
+        messages=req.messages, beam_width=req.beam_width,
+        num_return_sequences=req.num_return_sequences if req.n is None else req.n,
+        top_k=req.top_k, normalize=req.normalize, return_items=req.return_items,
+        timeout_ms=req.timeout_ms, request_id=request_id)
+
+
+def chat_response(response: RecResponse, model: str, rounds: int, req: ChatRequest,
+                  token_string: Any) -> dict:
+    """One choice per result, best first. `token_string(id)` names a token (the tokenizer's)."""
+    choices = []
+    for index, r in enumerate(response.results):
+        ids = list(r.tokens)
+        choice = {"index": index,
+                  "message": {"role": "assistant", "content": r.text or " ".join(map(str, ids))},
+                  "finish_reason": "stop", "logprobs": None, "token_ids": ids, "score": r.score,
+                  "items": r.items}
+        if req.logprobs:
+            content = []
+            for token_id, logprob in zip(ids, r.token_logprobs):
+                token = token_string(token_id) or str(token_id)
+                content.append({"token": token, "logprob": logprob,
+                                "bytes": list(token.encode()), "top_logprobs": []})
+            choice["logprobs"] = {"content": content}
+        choices.append(choice)
+    prompt_tokens = int(response.usage.get("input_tokens", 0))
+    completion = len(choices) * rounds
+    return {"id": response.request_id, "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                      "total_tokens": prompt_tokens + completion}}

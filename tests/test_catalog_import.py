@@ -1,0 +1,297 @@
+"""Catalog importers (sid2pid.json, token map, CSV), `xrec catalog import`, from_model_dir."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from xrec.catalog import CatalogError, ItemCatalog
+from xrec.catalog_cli import add_catalog_parser, main
+from xrec.catalog_import import import_sid2pid, import_token_csv, import_token_map
+from xrec.config import MODEL_SIZES
+from xrec.sid_vocab import SidLayout, write_sid_tokenizer
+from xrec.tokenizer import PromptTokenizer
+
+# <s_a_0> = 538, <s_b_0> = 554, <s_c_0> = 570, <|sid_begin|> = 586, <|sid_end|> = 587
+SMALL = SidLayout(num_base_tokens=512, codebook_size=16)
+V = SMALL.vocab_size  # 768
+
+
+def sid(c1: int, c2: int, c3: int, codebook_size: int = 16) -> str:
+    return str((c1 * codebook_size + c2) * codebook_size + c3)
+
+
+def ids(c1: int, c2: int, c3: int, layout: SidLayout = SMALL) -> list[int]:
+    return [layout.itemic_id(0, c1), layout.itemic_id(1, c2), layout.itemic_id(2, c3)]
+
+
+def write_json(path, data):
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sid-model")
+    write_sid_tokenizer(out, SMALL)
+    (out / "config.json").write_text(json.dumps(MODEL_SIZES["qwen3-sid-test"].to_dict()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return PromptTokenizer.from_model_dir(model_dir)
+
+
+# --- sid2pid.json --------------------------------------------------------------------------
+
+def test_sid2pid_integers_keep_file_order(tmp_path, tokenizer):
+    path = write_json(tmp_path / "sid2pid.json", {sid(1, 2, 3): [5, 6, 4], "0": [7],
+                                                  sid(15, 15, 15): [9], sid(1, 2, 4): []})
+    catalog = import_sid2pid(path, tokenizer, V, codebook_size=16)
+    assert catalog.item_ids.tolist() == [5, 6, 4, 7, 9]
+    assert catalog.triples.tolist() == [ids(1, 2, 3)] * 3 + [ids(0, 0, 0), ids(15, 15, 15)]
+    assert catalog.num_triples == 3 and catalog.vocab_size == V
+    rows = catalog.convert(np.array([ids(1, 2, 3)]))[0]
+    assert catalog.item_ids[rows].tolist() == [5, 6, 4]  # most popular first, as in the file
+
+
+def test_sid2pid_objects_and_default_codebook(tmp_path):
+    layout = SidLayout(num_base_tokens=512, codebook_size=8192)
+    write_sid_tokenizer(tmp_path / "big", layout)
+    tokenizer = PromptTokenizer.from_model_dir(tmp_path / "big")
+    key = sid(340, 6566, 5603, 8192)
+    path = write_json(tmp_path / "sid2pid.json", {key: [
+        {"pid": 123, "count": 9, "count_after_downsample": 3}, {"iid": 77}, 5],
+        sid(0, 1, 8191, 8192): [{"pid": 1 << 62}]})
+    catalog = import_sid2pid(path, tokenizer, layout.vocab_size)
+    assert catalog.item_ids.tolist() == [123, 77, 5, 1 << 62]
+    assert catalog.triples.tolist() == ([ids(340, 6566, 5603, layout)] * 3
+                                        + [ids(0, 1, 8191, layout)])
+    assert tokenizer.tokens_text(catalog.triples[0]) == "<s_a_340><s_b_6566><s_c_5603>"
+
+
+def test_sid2pid_many_items_vectorised(tmp_path, tokenizer):
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 16, size=(3000, 3))
+    keys = [sid(*row) for row in codes.tolist()]
+    data: dict = {}
+    for item_id, key in enumerate(keys):
+        data.setdefault(key, []).append(item_id)
+    catalog = import_sid2pid(write_json(tmp_path / "s.json", data), tokenizer, V, codebook_size=16)
+    expected = {item_id: ids(*row) for item_id, row in enumerate(codes.tolist())}
+    assert sorted(catalog.item_ids.tolist()) == list(range(3000))
+    assert all(expected[item_id] == triple
+               for item_id, triple in zip(catalog.item_ids.tolist(), catalog.triples.tolist()))
+
+
+@pytest.mark.parametrize("data, match", [
+    ({"abc": [1]}, "key 'abc' is not a decimal semantic ID"),
+    ({"-1": [1]}, "key '-1' is not a decimal"),
+    ({"-0": [1]}, "key '-0' is not a decimal"),
+    ({"1" * 25: [1]}, f"key {'1' * 25}: code c1 = .* is outside the codebook"),
+    ({"1.5": [1]}, "key '1.5' is not a decimal"),
+    ({str(16 ** 3): [1]}, r"key 4096: code c1 = 16 is outside the codebook \[0, 16\)"),
+    ({"3": 7}, "key 3: got 7, expected a list of items"),
+    ({"3": [1], "4": ["12"]}, "key 4: item '12' is not an integer item id"),
+    ({"3": [1.5]}, "key 3: item 1.5 is not an integer"),
+    ({"3": [True]}, "key 3: item True is not an integer"),
+    ({"3": [{"count": 3}]}, "key 3: item {'count': 3} is not an integer"),
+    ({"3": [1 << 63]}, f"key 3: item {1 << 63} is not an integer item id in int64"),
+    ([1, 2], "expected a JSON object, got list"),
+])
+def test_sid2pid_errors(tmp_path, tokenizer, data, match):
+    path = write_json(tmp_path / "sid2pid.json", data)
+    with pytest.raises(CatalogError, match=match) as info:
+        import_sid2pid(path, tokenizer, V, codebook_size=16)
+    assert str(path) in str(info.value)
+
+
+def test_sid2pid_token_errors(tmp_path, tokenizer):
+    # a codebook of 32 keys codes 16..31, which this tokenizer has no tokens for
+    path = write_json(tmp_path / "sid2pid.json", {sid(1, 2, 3, 32): [1], sid(1, 20, 3, 32): [2]})
+    with pytest.raises(CatalogError, match=rf"{path}: key {sid(1, 20, 3, 32)}: token '<s_b_20>' "
+                                           r"is not in the model's tokenizer"):
+        import_sid2pid(path, tokenizer, V, codebook_size=32)
+    path = write_json(tmp_path / "sid2pid.json", {sid(1, 2, 3): [1]})
+    with pytest.raises(CatalogError, match=r"key 291: token '<s_b_2>' has id 556, outside the "
+                                           r"model's vocabulary \[0, 555\)"):
+        import_sid2pid(path, tokenizer, 555, codebook_size=16)
+    for bad in (0, 1 << 21, 16.0):
+        with pytest.raises(CatalogError, match="codebook_size"):
+            import_sid2pid(path, tokenizer, V, codebook_size=bad)
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(CatalogError, match="broken.json: not valid JSON"):
+        import_sid2pid(tmp_path / "broken.json", tokenizer, V)
+    with pytest.raises(CatalogError, match="cannot read .*missing.json"):
+        import_sid2pid(tmp_path / "missing.json", tokenizer, V)
+
+
+# --- token map (MiniOneRec's index) --------------------------------------------------------
+
+def test_token_map(tmp_path, tokenizer):
+    path = write_json(tmp_path / "index.json", {
+        "0": ["<s_a_12>", "<s_b_7>", "<s_c_15>"], "-3": ["<s_a_1>", "<s_b_1>", "<s_c_1>"],
+        "9223372036854775807": ["!", "<|sid_begin|>", "<s_c_1>"]})
+    catalog = import_token_map(path, tokenizer, V)
+    assert catalog.item_ids.tolist() == [0, -3, (1 << 63) - 1]
+    assert catalog.triples.tolist() == [ids(12, 7, 15), ids(1, 1, 1), [0, 586, ids(0, 0, 1)[2]]]
+
+
+@pytest.mark.parametrize("data, match", [
+    ({"x1": ["<s_a_1>", "<s_b_1>", "<s_c_1>"]}, "item id 'x1' is not an integer"),
+    ({"1.0": ["<s_a_1>", "<s_b_1>", "<s_c_1>"]}, "item id '1.0' is not an integer"),
+    ({str(1 << 63): ["<s_a_1>", "<s_b_1>", "<s_c_1>"]}, "is not an integer in int64"),
+    ({"1": ["<s_a_1>", "<s_b_1>"]}, "item 1: got .*expected a list of 3 token strings"),
+    ({"1": ["<s_a_1>", "<s_b_1>", "<s_c_1>", "<s_c_2>"]}, "item 1: got .*expected a list of 3"),
+    ({"1": ["<s_a_1>", 5, "<s_c_1>"]}, "item 1: got .*expected a list of 3 token strings"),
+    ({"1": "<s_a_1><s_b_1><s_c_1>"}, "item 1: got .*expected a list of 3 token strings"),
+    ({"1": ["<s_a_1>", "<s_b_1>", "<s_c_1>"], "2": ["<a_12>", "<b_7>", "<c_200>"]},
+     "item 2: token '<a_12>' is not in the model's tokenizer"),
+])
+def test_token_map_errors(tmp_path, tokenizer, data, match):
+    path = write_json(tmp_path / "index.json", data)
+    with pytest.raises(CatalogError, match=match) as info:
+        import_token_map(path, tokenizer, V)
+    assert str(path) in str(info.value)
+
+
+def test_token_map_id_outside_vocab(tmp_path, tokenizer):
+    path = write_json(tmp_path / "index.json", {"4": ["<s_a_1>", "<s_b_1>", "<|sid_end|>"]})
+    with pytest.raises(CatalogError, match=r"item 4: token '<\|sid_end\|>' has id 587, outside"):
+        import_token_map(path, tokenizer, 587)
+
+
+# --- CSV -----------------------------------------------------------------------------------
+
+def test_token_csv(tmp_path, tokenizer):
+    path = tmp_path / "items.csv"
+    path.write_text("item_id,t0,t1,t2\n10,<s_a_1>,<s_b_2>,<s_c_3>\n\n# a comment\n"
+                    ' 11 , <s_a_4> ,"<s_b_5>",<s_c_6>\n-2,<s_a_0>,<s_b_0>,<s_c_0>\n')
+    catalog = import_token_csv(path, tokenizer, V)
+    assert catalog.item_ids.tolist() == [10, 11, -2]
+    assert catalog.triples.tolist() == [ids(1, 2, 3), ids(4, 5, 6), ids(0, 0, 0)]
+    path.write_text("7,<s_a_1>,<s_b_2>,<s_c_3>\n")  # no header
+    assert import_token_csv(path, tokenizer, V).item_ids.tolist() == [7]
+    path.write_text("item_id,t0,t1,t2\n")
+    assert import_token_csv(path, tokenizer, V).num_items == 0
+
+
+@pytest.mark.parametrize("text, match", [
+    ("1,<s_a_1>,<s_b_2>\n", "line 1: item 1: got .*expected a list of 3 token strings"),
+    ("1,<s_a_1>,<s_b_2>,<s_c_3>,\n", "line 1: item 1: got .*expected a list of 3"),
+    ("id,a,b,c\n1,<s_a_1>,<s_b_2>,<s_c_3>\nx,<s_a_1>,<s_b_2>,<s_c_3>\n",
+     "line 3: item id 'x' is not an integer"),
+    ("1,<s_a_1>,<s_b_2>,<s_c_3>\n2.5,<s_a_1>,<s_b_2>,<s_c_3>\n", "line 2: item id '2.5'"),
+    ("1,<s_a_1>,<s_b_2>,<s_c_3>\n2,<s_a_1>,<s_b_99>,<s_c_3>\n",
+     "line 2: item 2: token '<s_b_99>' is not in the model's tokenizer"),
+])
+def test_token_csv_errors(tmp_path, tokenizer, text, match):
+    path = tmp_path / "items.csv"
+    path.write_text(text)
+    with pytest.raises(CatalogError, match=match) as info:
+        import_token_csv(path, tokenizer, V)
+    assert str(path) in str(info.value)
+
+
+# --- xrec catalog import -------------------------------------------------------------------
+
+def test_cli_writes_the_model_catalog(tmp_path, model_dir, capsys):
+    directory = tmp_path / "model"
+    directory.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        (directory / name).write_bytes((model_dir / name).read_bytes())
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config.update(vocab_file="vocab.json", extended_item_info=True)
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    path = write_json(tmp_path / "s.json", {sid(1, 2, 3): [5, 6], sid(4, 5, 6): [{"pid": 8}]})
+    assert main(["import", "--model", str(directory), "--format", "sid2pid", str(path),
+                 "--codebook-size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "imported 3 items, 2 distinct semantic IDs" in out
+    assert str(directory / "catalog.bin") in out
+    written = json.loads((directory / "tokenizer_config.json").read_text())
+    assert written == {**config, "item_catalog": "catalog.bin", "extended_item_info": False}
+    catalog = ItemCatalog.from_model_dir(directory, V)
+    assert catalog.item_ids.tolist() == [5, 6, 8]
+    assert catalog.triples.tolist() == [ids(1, 2, 3)] * 2 + [ids(4, 5, 6)]
+
+
+def test_cli_out_leaves_the_directory_alone(tmp_path, model_dir, capsys):
+    before = {p.name: p.read_bytes() for p in model_dir.iterdir()}
+    csv_path = tmp_path / "items.csv"
+    csv_path.write_text("1,<s_a_1>,<s_b_2>,<s_c_3>\n2,<s_a_1>,<s_b_2>,<s_c_3>\n")
+    out = tmp_path / "c.bin"
+    assert main(["import", "--model", str(model_dir), "--format", "csv", str(csv_path),
+                 "--out", str(out)]) == 0
+    assert f"--catalog {out}" in capsys.readouterr().out
+    assert {p.name: p.read_bytes() for p in model_dir.iterdir()} == before
+    assert ItemCatalog.read(out, V).item_ids.tolist() == [1, 2]
+
+
+def test_cli_errors(tmp_path, model_dir, capsys):
+    path = write_json(tmp_path / "index.json", {"1": ["<a_1>", "<b_1>", "<c_1>"]})
+    assert main(["import", "--model", str(model_dir), "--format", "json", str(path),
+                 "--out", str(tmp_path / "c.bin")]) == 1
+    assert "token '<a_1>' is not in the model's tokenizer" in capsys.readouterr().err
+    assert not (tmp_path / "c.bin").exists()
+    (tmp_path / "config.json").write_text(json.dumps(MODEL_SIZES["qwen3-sid-test"].to_dict()))
+    assert main(["import", "--model", str(tmp_path), "--format", "json", str(path)]) == 1
+    assert "no tokenizer.json" in capsys.readouterr().err
+    assert main(["import", "--model", str(tmp_path / "none"), "--format", "json", str(path)]) == 1
+    assert "no config.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: an unknown format
+        main(["import", "--model", str(model_dir), "--format", "parquet", str(path)])
+
+
+def test_cli_subprocess_and_parser(tmp_path, model_dir):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="xrec")
+    add_catalog_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["catalog", "import", "--model", "m", "--format", "sid2pid", "in"])
+    assert (args.command, args.codebook_size, args.out, args.input) == ("catalog", 8192, None, "in")
+    path = write_json(tmp_path / "index.json", {"3": ["<s_a_1>", "<s_b_1>", "<s_c_1>"]})
+    proc = subprocess.run([sys.executable, "-m", "xrec.catalog_cli", "import", "--model",
+                           str(model_dir), "--format", "json", str(path), "--out",
+                           str(tmp_path / "c.bin")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "imported 1 items, 1 distinct semantic IDs" in proc.stdout
+    assert ItemCatalog.read(tmp_path / "c.bin", V).triples.tolist() == [ids(1, 1, 1)]
+
+
+# --- ItemCatalog.from_model_dir: which key names the catalog -------------------------------
+
+def test_from_model_dir_naming_rules(tmp_path):
+    catalog = ItemCatalog.from_arrays([10, 11], [(1, 2, 3), (4, 5, 6)], 16)
+    catalog.write(tmp_path / "a.bin")
+    catalog.write_text(tmp_path / "items.txt")
+    extended = ItemCatalog.from_arrays([12], [(1, 2, 3)], 16, dids=["d"], types=["t"])
+    extended.write(tmp_path / "e.bin")
+    (tmp_path / "vocab.txt").write_text("[PAD]\n[UNK]\nhello\n")
+
+    def load(**config):
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+        found = ItemCatalog.from_model_dir(tmp_path, 16)
+        return None if found is None else found.item_ids.tolist()
+
+    assert load(item_catalog="a.bin", vocab_file="e.bin") == [10, 11]  # xrec's key wins
+    assert load(item_catalog="e.bin", extended_item_info=True) == [12]
+    assert load(vocab_file="a.bin") == [10, 11]  # xllm's key
+    assert load(vocab_file="items.txt") == [10, 11]  # a text catalog (after its # header)
+    for vocabulary in ("vocab.json", "tokenizer.model", "qwen.tiktoken", "vocab.txt", "/x/v.json"):
+        assert load(vocab_file=vocabulary) is None, vocabulary
+    assert load(vocab_file="vocab.json", item_catalog="a.bin") == [10, 11]
+    (tmp_path / "tokenizer.json").write_text("{}")  # a tokenizer beside does not hide a catalog
+    assert load(vocab_file="a.bin") == [10, 11]
+    for bad, match in (({"item_catalog": 3}, "item_catalog = 3, expected a path"),
+                       ({"item_catalog": "missing.bin"}, "cannot read catalog file"),
+                       ({"item_catalog": "vocab.json"}, "cannot read catalog file"),
+                       ({"vocab_file": "missing.txt"}, "cannot read catalog file"),
+                       ({"item_catalog": "a.bin", "extended_item_info": 1}, "extended_item_info")):
+        with pytest.raises(CatalogError, match=match):
+            load(**bad)

@@ -1,0 +1,122 @@
+"""Decoder-only config.json (qwen2 / qwen3 / qwen3_moe): Hugging Face's own files are read as
+the same shape, unsupported settings are refused naming the key, `to_dict` round-trips
+through xrec and through Hugging Face."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from xrec.config import MODEL_SIZES, model_config_from_dict, read_model_config
+from xrec.qwen_config import QwenConfig
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+
+
+def hf_config_dict(kind: str, **overrides) -> dict:
+    """config.json as transformers 5 writes it for `kind`."""
+    classes = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+               "qwen3_moe": transformers.Qwen3MoeConfig}
+    keys = dict(SMALL, **(MOE if kind == "qwen3_moe" else {}))
+    if kind == "qwen2":
+        keys.pop("head_dim")
+    return classes[kind](**{**keys, **overrides}).to_dict()
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "qwen3_moe"])
+def test_hugging_face_configs_are_read(kind):
+    cfg = model_config_from_dict(hf_config_dict(kind, rope_theta=5000.0, tie_word_embeddings=True))
+    assert isinstance(cfg, QwenConfig) and cfg.model_type == kind
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.head_dim) == (32, 3, 4, 2, 8)
+    assert cfg.rope_theta == 5000.0 and cfg.tie_word_embeddings
+    assert cfg.has_qkv_bias == (kind == "qwen2") and cfg.has_qk_norm == (kind != "qwen2")
+    assert cfg.is_encoder_decoder is False and cfg.accepts_embeddings is False
+    assert cfg.beam_kv_shape == (3, 2, 8)
+    if kind == "qwen3_moe":   # transformers 5 writes num_local_experts
+        assert cfg.num_experts == 4 and cfg.num_experts_per_tok == 2
+        assert all(cfg.is_moe_layer(i) for i in range(3))
+
+
+def test_moe_layer_rule_and_bias_flags():
+    cfg = model_config_from_dict(hf_config_dict("qwen3_moe", decoder_sparse_step=2, mlp_only_layers=[3],
+                                                num_hidden_layers=4, attention_bias=True))
+    assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, False]
+    assert cfg.has_qkv_bias and cfg.has_o_bias
+    qwen2 = model_config_from_dict(hf_config_dict("qwen2"))
+    assert qwen2.has_qkv_bias and not qwen2.has_o_bias
+
+
+@pytest.mark.parametrize("change,key", [
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}), "rope_parameters"),
+    (dict(use_sliding_window=True), "use_sliding_window"),
+    (dict(layer_types=["sliding_attention"] * 3), "layer_types"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(num_key_value_heads=3), "num_key_value_heads"),
+    (dict(head_dim=7), "head_dim"),
+    (dict(hidden_size="32"), "hidden_size"),
+    (dict(tie_word_embeddings="yes"), "tie_word_embeddings"),
+    (dict(model_type="llama"), "model_type"),
+    (dict(mlp_only_layers=[9]), "mlp_only_layers"),
+])
+def test_unsupported_settings_are_refused_naming_the_key(change, key):
+    raw = {**hf_config_dict("qwen3_moe"), **change}
+    with pytest.raises(ValueError, match=key):
+        model_config_from_dict(raw)
+
+
+@pytest.mark.parametrize("missing", ["vocab_size", "hidden_size", "num_hidden_layers"])
+def test_missing_required_keys(missing):
+    raw = hf_config_dict("qwen3")
+    del raw[missing]
+    with pytest.raises(ValueError, match=missing):
+        model_config_from_dict(raw)
+
+
+def test_unknown_model_type_lists_both_families():
+    with pytest.raises(ValueError, match="onerec.*qwen3_moe"):
+        model_config_from_dict({"model_type": "mamba"})
+
+
+def test_rope_parameters_theta_is_accepted():
+    raw = hf_config_dict("qwen3")
+    raw.pop("rope_theta", None)
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 123.0}
+    assert model_config_from_dict(raw).rope_theta == 123.0
+
+
+@pytest.mark.parametrize("name", [n for n, c in MODEL_SIZES.items() if isinstance(c, QwenConfig)])
+def test_round_trip_through_xrec_and_hugging_face(name, tmp_path):
+    cfg = MODEL_SIZES[name]
+    raw = cfg.to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert read_model_config(tmp_path / "config.json") == cfg
+    hf = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert (hf.model_type, hf.hidden_size, hf.num_hidden_layers, hf.head_dim, hf.vocab_size) == \
+        (cfg.model_type, cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim, cfg.vocab_size)
+    assert hf.tie_word_embeddings == cfg.tie_word_embeddings
+    assert model_config_from_dict(hf.to_dict()) == cfg
+
+
+def test_moe_round_trip():
+    cfg = model_config_from_dict(hf_config_dict("qwen3_moe", norm_topk_prob=True, decoder_sparse_step=3))
+    assert model_config_from_dict(cfg.to_dict()) == cfg
+    assert model_config_from_dict(transformers.Qwen3MoeConfig(**cfg.to_dict()).to_dict()) == cfg
+
+
+def test_parameter_count_matches_the_model():
+    import torch
+
+    from xrec.model.qwen import QwenModel
+    for raw in (hf_config_dict("qwen2"), hf_config_dict("qwen3_moe", attention_bias=True,
+                                                        mlp_only_layers=[1])):
+        cfg = model_config_from_dict(raw)
+        with torch.device("meta"):
+            model = QwenModel(cfg)
+        assert cfg.num_parameters == sum(p.numel() for p in model.parameters())
