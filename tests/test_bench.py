@@ -59,6 +59,33 @@ def test_offline_quick_full_mode_equals_hf(home, tmp_path):
             assert row["peak_mib"] is not None and row["peak_mib"] >= 0
 
 
+def test_offline_quick_decoder_only_full_mode_equals_hf(home, tmp_path):
+    record = _run("offline", tmp_path, "--family", "qwen3")
+    assert record["settings"]["size"] == "qwen3-sid-test"
+    assert record["model"]["config"]["model_type"] == "qwen3"
+    for point in record["points"]:
+        rows = point["contenders"]
+        assert set(rows) == {"xrec", "xrec-full", "hf"}   # the naive contender is encoder-decoder only
+        assert rows["xrec-full"]["overlap_vs_hf"]["mean"] == 1.0
+        assert rows["xrec-full"]["overlap_vs_hf"]["min"] == 1.0
+
+
+def test_breakdown_quick_decoder_only(home, tmp_path):
+    record = _run("breakdown", tmp_path, "--family", "qwen3")
+    for mode in ("allowed", "full"):
+        parts = record["modes"][mode]["parts_ms"]
+        for part in ("prompt (round 0)", "decoder, round 1", "decoder, round 2",
+                     "LM head + normalise, round 0", "top-k select"):
+            assert parts.get(part, 0) > 0, (mode, part, parts)
+        assert "encoder" not in parts
+
+
+def test_family_and_size_must_agree(home, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["offline", "--family", "qwen3", "--size", "onerec-0.015b", "--out", str(tmp_path)])
+    assert "not of --family qwen3" in capsys.readouterr().err
+
+
 def test_offline_rejects_unknown_contender(home, tmp_path, capsys):
     assert main(["offline", "--quick", "--out", str(tmp_path), "--contenders", "xrec,vllm"]) == 1
     assert "vllm" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -107,10 +108,56 @@ def test_recommend_bad_token_ids(tiny_model, home, token_ids, words):
     assert not any(ROW.match(line) for line in proc.stdout.splitlines())
 
 
+@pytest.fixture(scope="module")
+def sid_model(tmp_path_factory, home):
+    out = tmp_path_factory.mktemp("models") / "qwen3"
+    proc = xrec_cli("make-model", "--size", "qwen3-sid-test", "--out", str(out), "--items", "300",
+                    home=home)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def test_decoder_only_model_answers_a_chat_with_items(sid_model, home):
+    from xrec.tokenizer import PromptTokenizer
+
+    assert {"tokenizer.json", "tokenizer_config.json", "config.json", "items.bin"} <= \
+        {p.name for p in sid_model.iterdir()}
+    proc = xrec_cli("recommend", "--model", str(sid_model), "--chat", "I liked <s_a_3><s_b_7><s_c_9>",
+                    "--generation-prefix", "<|sid_begin|>", "--beam-width", "16", "--top-n", "4",
+                    "--json", home=home)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    tokenizer = PromptTokenizer.from_model_dir(sid_model)
+    catalog = ItemCatalog.from_model_dir(sid_model, tokenizer.vocab_size)
+    triples = {tuple(t) for t in catalog.triples.tolist()}
+    assert len(rows) == 4
+    for row in rows:
+        assert tuple(row["tokens"]) in triples and row["items"]
+        assert row["text"] == "".join(tokenizer.id_to_token(t) for t in row["tokens"])
+        assert re.fullmatch(r"<s_a_\d+><s_b_\d+><s_c_\d+>", row["text"])
+
+
+def test_catalog_import_through_the_xrec_command(sid_model, home, tmp_path):
+    path = tmp_path / "items.csv"
+    path.write_text("item_id,a,b,c\n7,<s_a_1>,<s_b_2>,<s_c_3>\n8,<s_a_1>,<s_b_2>,<s_c_4>\n")
+    out = tmp_path / "two.bin"
+    proc = xrec_cli("catalog", "import", "--model", str(sid_model), "--format", "csv", str(path),
+                    "--out", str(out), home=home)
+    assert proc.returncode == 0, proc.stderr
+    assert "2 items" in proc.stdout and "--catalog" in proc.stdout
+    proc = xrec_cli("recommend", "--model", str(sid_model), "--catalog", str(out), "--token-ids", "5,6",
+                    "--beam-width", "4", "--json", home=home)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(r["items"] for r in json.loads(proc.stdout)) == [[7], [8]]
+    bad = xrec_cli("catalog", "import", "--model", str(sid_model), "--format", "csv", str(path).replace(
+        "items.csv", "missing.csv"), home=home)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+
+
 def test_help(home):
     proc = xrec_cli("--help", home=home)
     assert proc.returncode == 0, proc.stderr
-    for command in ("serve", "recommend", "make-model", "bench"):
+    for command in ("serve", "recommend", "make-model", "catalog", "bench"):
         assert command in proc.stdout
     for command in ("recommend", "make-model", "serve", "bench"):
         sub = xrec_cli(command, "--help", home=home)

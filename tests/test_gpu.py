@@ -1,5 +1,5 @@
 """CUDA: the same engine on the GPU (float32) returns the CPU's results, with concurrent
-pipelines on their own streams. Skipped without CUDA."""
+pipelines on their own streams, for both model families. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_random_model(tmp_path_factory.mktemp("gpu"), "tiny", seed=2, num_items=500)
+@pytest.fixture(scope="module", params=["tiny", "qwen3-sid-test"])
+def model_dir(request, tmp_path_factory):
+    return write_random_model(tmp_path_factory.mktemp("gpu"), request.param, seed=2, num_items=500)
 
 
 def _requests():

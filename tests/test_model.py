@@ -415,8 +415,8 @@ def test_reversed_square_bias_is_a_view_of_the_pairwise_bias():
             assert square.untyped_storage().nbytes() == heads * (2 * length - 1) * 4
 
 
-@pytest.mark.parametrize("block_rows", [1, 3, 128])
-def test_logits_logsumexp_in_blocks_equals_the_materialised_one(block_rows):
+@pytest.mark.parametrize("block_rows,block_vocab", [(1, 64), (3, 7), (128, 64), (4, 100)])
+def test_logits_logsumexp_in_blocks_equals_the_materialised_one(block_rows, block_vocab):
     from xrec.model.onerec import OneRecModel
 
     torch.manual_seed(0)
@@ -426,10 +426,22 @@ def test_logits_logsumexp_in_blocks_equals_the_materialised_one(block_rows):
     row_scale = torch.rand(10) + 0.5
     with torch.no_grad():
         want = torch.logsumexp(model.logits(hidden) * row_scale.unsqueeze(-1), dim=-1)
-        got = model.logits_logsumexp(hidden, row_scale, block_rows=block_rows)
+        got = model.logits_logsumexp(hidden, row_scale, block_rows=block_rows, block_vocab=block_vocab)
         _rel_close(got, want, what="with row_scale")
-        _rel_close(model.logits_logsumexp(hidden, block_rows=block_rows),
+        _rel_close(model.logits_logsumexp(hidden, block_rows=block_rows, block_vocab=block_vocab),
                    torch.logsumexp(model.logits(hidden), dim=-1), what="without")
+
+
+def test_shared_candidate_logits_are_the_full_logits_gathered():
+    from xrec.model.onerec import OneRecModel
+
+    torch.manual_seed(2)
+    model = OneRecModel(MODEL_SIZES["tiny"])
+    torch.nn.init.normal_(model.shared.weight)
+    hidden = torch.randn(5, model.config.d_model)
+    token_ids = torch.tensor([3, 9, 10, 41])
+    with torch.no_grad():
+        _rel_close(model.shared_candidate_logits(hidden, token_ids), model.logits(hidden)[:, token_ids])
 
 
 @pytest.mark.parametrize("block_bytes", [1, 5000, 2 << 20])

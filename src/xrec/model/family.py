@@ -82,28 +82,43 @@ class RecModel(nn.Module):
         return (hidden @ weight.T).float()
 
     def logits_logsumexp(self, hidden: torch.Tensor, row_scale: torch.Tensor | None = None,
-                         block_rows: int = 128) -> torch.Tensor:
+                         block_rows: int = 512, block_vocab: int = 4096) -> torch.Tensor:
         """log-sum-exp over the vocabulary of `logits(hidden) * row_scale`, `hidden [N, D]`,
         `row_scale [N]` or None -> `[N]` float32, without materialising `[N, V]`.
 
-        Computed as `weight @ hidden.T` (`[V, rows]`: ~1.8x the GEMM speed of the `[rows, V]`
-        product on a CPU) and reduced over the vocabulary axis. On a CPU the rows go through
-        in blocks so that each block's logits stay in cache; on a GPU one block covers all.
+        On a CPU the head goes through in blocks of `block_vocab` rows against up to
+        `block_rows` hidden rows: `weight[block] @ hidden.T` (`[v, rows]`, ~1.8x the speed of
+        the `[rows, v]` product) stays in cache, each block's log-sum-exp goes to a `[blocks,
+        N]` table, reduced once at the end. One pass over a 176k-token head this way runs at
+        ~120 GFLOP/s on two cores where whole-vocabulary row blocks ran at ~60. On a GPU one
+        block covers everything.
         """
         weight, scale = self.head_weight()
         num_rows, vocab = hidden.shape[0], weight.shape[0]
-        block = num_rows if hidden.device.type != "cpu" else min(block_rows, num_rows)
-        buffer = torch.empty(vocab * block, dtype=hidden.dtype, device=hidden.device)
-        out = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
+        if hidden.device.type != "cpu":
+            block_rows, block_vocab = num_rows, vocab
+        block_rows, block_vocab = min(block_rows, num_rows), min(block_vocab, vocab)
+        num_blocks = -(-vocab // block_vocab)
+        buffer = torch.empty(block_vocab * block_rows, dtype=hidden.dtype, device=hidden.device)
+        parts = torch.empty((num_blocks, num_rows), dtype=torch.float32, device=hidden.device)
         scaled = hidden * scale
-        for start in range(0, num_rows, block):  # blocks of rows, a handful per round
-            stop = min(start + block, num_rows)
-            logits = torch.mm(weight, scaled[start:stop].T,
-                              out=buffer[:vocab * (stop - start)].view(vocab, stop - start)).float()
-            if row_scale is not None:
-                logits = logits * row_scale[start:stop]
-            torch.logsumexp(logits, dim=0, out=out[start:stop])
-        return out
+        for start in range(0, num_rows, block_rows):  # blocks of rows and of the vocabulary:
+            stop = min(start + block_rows, num_rows)  # a few dozen per round, never per beam
+            rows = scaled[start:stop].T                                   # [D, rows]
+            for index, first in enumerate(range(0, vocab, block_vocab)):
+                last = min(first + block_vocab, vocab)
+                out = buffer[:(last - first) * (stop - start)].view(last - first, stop - start)
+                logits = torch.mm(weight[first:last], rows, out=out).float()   # [v, rows]
+                if row_scale is not None:
+                    logits = logits * row_scale[start:stop]
+                torch.logsumexp(logits, dim=0, out=parts[index, start:stop])
+        return torch.logsumexp(parts, dim=0)
+
+    def shared_candidate_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """Logits of ONE set of tokens for every row: `hidden [N, D]`, `token_ids [C]` ->
+        `[N, C]` float32 (round 0: every request's beam sits at the catalog's root)."""
+        weight, scale = self.head_weight()
+        return ((hidden * scale) @ F.embedding(token_ids, weight).T).float()
 
     def candidate_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor,
                          block_bytes: int = 2 << 20) -> torch.Tensor:

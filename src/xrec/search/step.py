@@ -52,9 +52,9 @@ class RecStep:
         self.model, self.tables, self.rounds = model, tables, rounds
         self.device = model.device
         vocab = model.config.vocab_size
-        # Below a quarter of the vocabulary, LM-head rows of the children beat the full head.
-        self.is_narrow = [False] + ([4 * c < vocab for c in tables.max_children[1:]]
-                                    if tables is not None else [])
+        # Below a quarter of the vocabulary, LM-head rows of the children beat the full head
+        # (round 0: the root's children, one set for every request).
+        self.is_narrow = [4 * c < vocab for c in tables.max_children] if tables is not None else []
 
     @torch.inference_mode()
     def run(self, batch: StepBatch, workspace: Workspace | None = None) -> StepOutput:
@@ -118,7 +118,10 @@ class RecStep:
                                    tables.max_children[level])
         num_batch, num_beams, num_cand = children.tokens.shape
         full_logits = None
-        if self.is_narrow[level]:   # LM-head rows of the children only
+        if self.is_narrow[level] and level == 0:   # every beam at the root: one set of rows
+            logits = model.shared_candidate_logits(hidden.flatten(0, 1), children.tokens[0, 0])
+            logits = logits.view(num_batch, num_beams, num_cand)
+        elif self.is_narrow[level]:   # LM-head rows of each beam's children only
             logits = model.candidate_logits(hidden.flatten(0, 1), children.tokens.flatten(0, 1))
             logits = logits.view(num_batch, num_beams, num_cand)
         else:

@@ -137,12 +137,14 @@ class XrecService:
         """The answer's JSON object in the route's shape."""
         if api == "native":
             return schemas.native_response(result, self.model_name)
+        tokenizer = engine.tokenizer
+        token_string = tokenizer.id_to_token if tokenizer is not None else None
         if api == "xllm":
             items_on = engine.catalog is not None and parsed.return_items
-            return schemas.xllm_response(result, self.model_name, engine.options.rounds, items_on)
-        tokenizer = engine.tokenizer
+            return schemas.xllm_response(result, self.model_name, engine.options.rounds, items_on,
+                                         token_string)
         return chat.chat_response(result, self.model_name, engine.options.rounds, parsed,
-                                  tokenizer.id_to_token if tokenizer is not None else lambda i: None)
+                                  token_string or (lambda i: None))
 
     def _hold_wakeups_this_iteration(self, engine: Any) -> None:
         """Hold the scheduler's wake-up until the end of this event-loop iteration: the

@@ -78,9 +78,13 @@ def chat_request(req: ChatRequest, request_id: str) -> RecRequest:
     if req.n is not None and req.num_return_sequences is not None and req.n != req.num_return_sequences:
         raise InvalidArgument(f"n: got {req.n} and num_return_sequences {req.num_return_sequences}; "
                               "they mean the same (results), give one")
+    if req.n is not None and req.n < 1:
+        raise InvalidArgument(f"n: got {req.n}, expected >= 1 (results per request)")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidArgument(f"top_logprobs: got {req.top_logprobs}, allowed range "
                               f"[0, {MAX_TOP_LOGPROBS}]")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidArgument("top_logprobs: needs logprobs: true (as OpenAI's API)")
     for name in ("max_tokens", "max_completion_tokens"):
         value = getattr(req, name)
         if value is not None and value < 0:

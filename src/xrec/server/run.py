@@ -133,7 +133,7 @@ def _log_start(engine: Any, name: str, host: str, port: int, has_key: bool,
     num_params = sum(p.numel() for p in engine.model.parameters())
     num_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     logger.info("xrec serve: model %r (%s): %.2fM parameters, %.1f MiB of weights, catalog %s",
-                name, getattr(engine.model.shared.weight, "device", "?"), num_params / 1e6,
+                name, engine.model.device, num_params / 1e6,
                 num_bytes / 2**20, engine.catalog)
     logger.info("xrec serve: d_model=%d vocab_size=%d; %d pipeline(s), workspace %.1f MiB "
                 "per pipeline", config.d_model, config.vocab_size, engine.num_pipelines,

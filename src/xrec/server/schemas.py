@@ -34,7 +34,9 @@ Decisions where `spec/serving.md` is silent:
   has a tokenizer (`"<s_a_1><s_b_2><s_c_3>"`), else its decimal token ids
   joined by spaces (`"12 7 99"`); `logprobs` (`tokens`, `token_ids`,
   `token_logprobs`) is always filled, whatever the request's `logprobs`
-  says, as xllm's rec path does with `enable_rec_score_output`.
+  says, as xllm's rec path does with `enable_rec_score_output`; its
+  `tokens` are the token strings (`"<s_a_1>"`, joined they are `text`) when
+  the model has a tokenizer, else the decimal ids.
   `usage.completion_tokens` = N * R. Output tensors use xllm's JSON names
   (`name`, `datatype`, `shape`, `contents.{int64,int,fp32}_contents`).
   With items on (the engine has a catalog and `return_items` is true),
@@ -286,13 +288,17 @@ def native_response(response: RecResponse, model: str) -> dict:
             "usage": response.usage, "timing": response.timing}
 
 
-def xllm_response(response: RecResponse, model: str, rounds: int, is_items_on: bool) -> dict:
+def xllm_response(response: RecResponse, model: str, rounds: int, is_items_on: bool,
+                  token_string: Any = None) -> dict:
+    """`token_string(id)` names a token (the tokenizer's); None: tokens are decimal ids."""
     results = response.results
     choices, item_ids, tokens, logprobs = [], [], [], []
     for index, r in enumerate(results):
         ids, lps = list(r.tokens), list(r.token_logprobs)
+        names = [str(t) for t in ids] if token_string is None else \
+            [token_string(t) or str(t) for t in ids]
         choices.append({"index": index, "text": r.text or " ".join(map(str, ids)),
-                        "logprobs": {"tokens": [str(t) for t in ids], "token_ids": ids,
+                        "logprobs": {"tokens": names, "token_ids": ids,
                                      "token_logprobs": lps},
                         "finish_reason": "stop"})
         item_ids.append(r.items[0].item_id if r.items else -1)
