@@ -249,3 +249,21 @@ def test_unknown_model_type_is_refused(models, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**raw, "model_type": "llama"}))
     with pytest.raises(ValueError, match="model_type.*llama.*qwen3"):
         load_model(tmp_path)
+
+
+def test_catalog_tokens_the_tokenizer_does_not_know_are_refused(tmp_path):
+    from xrec.demo import write_random_model
+    from xrec.sid_vocab import SidLayout
+
+    directory = write_random_model(tmp_path / "sid", "qwen3-sid-test", seed=1, num_items=50)
+    layout = SidLayout(num_base_tokens=512, codebook_size=16)
+    unknown = layout.num_tokens          # padding past the last token: no string for it
+    known = [layout.itemic_id(level, 1) for level in range(3)]
+    catalog = ItemCatalog.from_arrays([11, 12], [known, [known[0], unknown, known[2]]],
+                                      layout.vocab_size)
+    with pytest.raises(ValueError, match=rf"item 12 has token {unknown} at level 1.*tokenizer"):
+        Engine.from_pretrained(directory, catalog=catalog)
+    with Engine.from_pretrained(directory, catalog=ItemCatalog.from_arrays([11], [known],
+                                                                           layout.vocab_size)) as engine:
+        result, = engine.recommend([RecRequest(prompt="hello", beam_width=2)])[0].results
+    assert result.items[0].item_id == 11 and result.text == "<s_a_1><s_b_1><s_c_1>"

@@ -599,25 +599,34 @@ def test_serve_reports_a_model_that_does_not_load(tmp_path):
         serve(args, args.model, {"device": "cpu"})
 
 
-def test_sigterm_drains_subprocess(model_dir, tmp_path):
+def start_serve(args: list[str], env: dict, log_path: Path) -> tuple[subprocess.Popen, str, int]:
+    """`xrec serve ARGS` on a free port of 127.0.0.1, its output in `log_path`, waited until
+    /health answers 200: (process, base url, port). The caller ends the process."""
     port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "XREC_HOME": str(tmp_path / "home"), "XREC_API_KEY": API_KEY}
-    log_path = tmp_path / "serve.log"
-    command = [sys.executable, "-m", "xrec.cli", "serve", "--model", str(model_dir),
-               "--port", str(port), "--device", "cpu", "--max-seqs-per-batch", "1",
-               "--grace-s", str(WAIT_S)]
-    auth = {"Authorization": f"Bearer {API_KEY}"}
+    command = [sys.executable, "-m", "xrec.cli", "serve", "--port", str(port), *args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(url + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return proc.poll() is not None
+    if not (wait_until(healthy, timeout=90, interval=0.1) and proc.poll() is None):
+        proc.kill()
+        proc.wait()
+        pytest.fail("xrec serve did not become healthy:\n" + log_path.read_text())
+    return proc, url, port
+
+
+def test_sigterm_drains_subprocess(model_dir, tmp_path):
+    env = {**os.environ, "XREC_HOME": str(tmp_path / "home"), "XREC_API_KEY": API_KEY}
+    log_path = tmp_path / "serve.log"
+    proc, url, _ = start_serve(["--model", str(model_dir), "--device", "cpu",
+                                "--max-seqs-per-batch", "1", "--grace-s", str(WAIT_S)], env, log_path)
+    auth = {"Authorization": f"Bearer {API_KEY}"}
     try:
-        def healthy() -> bool:
-            try:
-                return httpx.get(url + "/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return proc.poll() is not None
-        assert wait_until(healthy, timeout=90, interval=0.1) and proc.poll() is None, \
-            log_path.read_text()
         assert httpx.post(url + NATIVE, json=VALID).status_code == 401      # key from env
         length = 1024  # 0.1-0.4 s a request on 2 cores: the drain has work to finish
         heavy = {"token_ids": [i % VOCAB for i in range(length)], "beam_width": 512}

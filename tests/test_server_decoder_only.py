@@ -24,8 +24,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +32,8 @@ import pytest
 httpx = pytest.importorskip("httpx")
 tokenizers = pytest.importorskip("tokenizers")
 
-from test_server import (ServerThread, _free_port, assert_error, metric,  # noqa: E402
-                         post_in_thread, wait_until)
+from test_server import (ServerThread, assert_error, metric, post_in_thread,  # noqa: E402
+                         start_serve, wait_until)
 
 from xrec import Engine  # noqa: E402
 from xrec.demo import write_random_model  # noqa: E402
@@ -505,24 +503,12 @@ def test_metrics_count_the_chat_route_under_its_own_label(sid):
 def test_xrec_serve_subprocess(sid_dir, chat_len, token_to_id, tmp_path):
     """`xrec serve` of a decoder-only model: start-up lines logged (no traceback), the
     generation prefix from its flag, chat answered, a clean exit on SIGTERM."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     env = {key: value for key, value in os.environ.items() if key != "XREC_API_KEY"}
     env["XREC_HOME"] = str(tmp_path / "home")
     log_path = tmp_path / "serve.log"
-    command = [sys.executable, "-m", "xrec.cli", "serve", "--model", str(sid_dir), "--port",
-               str(port), "--device", "cpu", "--generation-prefix", SID_BEGIN,
-               "--grace-s", "5"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc, url, port = start_serve(["--model", str(sid_dir), "--device", "cpu", "--generation-prefix",
+                                   SID_BEGIN, "--grace-s", "5"], env, log_path)
     try:
-        def healthy() -> bool:
-            try:
-                return httpx.get(url + "/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return proc.poll() is not None
-        assert wait_until(healthy, timeout=90, interval=0.1) and proc.poll() is None, \
-            log_path.read_text()
         response = httpx.post(url + CHAT, json={"messages": MESSAGES, "beam_width": 4},
                               timeout=WAIT_S)
         assert response.status_code == 200, response.text

@@ -153,7 +153,23 @@ def attention(x_q: torch.Tensor, x_kv: torch.Tensor, wq: torch.Tensor, wk: torch
 # the network
 # ---------------------------------------------------------------------------
 
-class NaiveOneRec:
+class StateDictWeights:
+    """Checked access to a float64 state dict `self.sd` (both naive networks use it)."""
+
+    sd: dict[str, torch.Tensor]
+
+    def w(self, name: str) -> torch.Tensor:
+        if name not in self.sd:
+            raise KeyError(f"state dict has no tensor {name!r}")
+        return self.sd[name]
+
+    def _expect(self, name: str, shape: tuple[int, ...]) -> None:
+        got = tuple(self.w(name).shape)
+        if got != shape:
+            raise ValueError(f"tensor {name!r}: shape {got}, expected {shape}")
+
+
+class NaiveOneRec(StateDictWeights):
     """The OneRec network in float64, one request at a time, no cache.
 
     `state_dict` has canonical Hugging Face T5 names (no prefix). Extra
@@ -167,18 +183,6 @@ class NaiveOneRec:
         self.sd = {name: t.detach().to(torch.float64).clone() for name, t in state_dict.items()
                    if torch.is_tensor(t) and t.is_floating_point()}
         self._check_shapes()
-
-    # ---- weights -------------------------------------------------------------
-
-    def w(self, name: str) -> torch.Tensor:
-        if name not in self.sd:
-            raise KeyError(f"state dict has no tensor {name!r}")
-        return self.sd[name]
-
-    def _expect(self, name: str, shape: tuple[int, ...]) -> None:
-        got = tuple(self.w(name).shape)
-        if got != shape:
-            raise ValueError(f"tensor {name!r}: shape {got}, expected {shape}")
 
     def _check_shapes(self) -> None:
         c = self.config

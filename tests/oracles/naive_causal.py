@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from oracles.naive import fixed_round_beam_search, gated_silu_ffn, rms_norm
+from oracles.naive import StateDictWeights, fixed_round_beam_search, gated_silu_ffn, rms_norm
 
 __all__ = ["NaiveCausalLM", "naive_causal_beam_search", "rope", "causal_moe_ffn"]
 
@@ -74,7 +74,7 @@ def causal_moe_ffn(x: torch.Tensor, router: torch.Tensor, experts, *, top_k: int
 # the network
 # ---------------------------------------------------------------------------
 
-class NaiveCausalLM:
+class NaiveCausalLM(StateDictWeights):
     """A Qwen2 / Qwen3 / Qwen3-MoE causal LM in float64, one prompt at a time, no cache.
 
     `config`: the config.json dict. `state_dict`: Hugging Face names
@@ -163,16 +163,6 @@ class NaiveCausalLM:
         return float(c["rope_theta"])
 
     # ---- weights -------------------------------------------------------------
-
-    def w(self, name: str) -> torch.Tensor:
-        if name not in self.sd:
-            raise KeyError(f"state dict has no tensor {name!r}")
-        return self.sd[name]
-
-    def _expect(self, name: str, shape: tuple[int, ...]) -> None:
-        got = tuple(self.w(name).shape)
-        if got != shape:
-            raise ValueError(f"tensor {name!r}: shape {got}, expected {shape}")
 
     def is_moe_layer(self, i: int) -> bool:
         """Qwen3-MoE: layer i is sparse iff not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0."""

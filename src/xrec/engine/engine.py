@@ -73,8 +73,7 @@ class Engine:
                                    max_positions, _generation_prefix(options, config, tokenizer))
         num_pipelines = options.max_concurrency or (2 if device.type == "cuda" else 1)
         widest = max(tables.max_children[1:], default=1) if tables else config.vocab_size
-        self.workspace = WorkspaceModel(config, model.head_weight()[0].element_size(), widest,
-                                        options.rounds)
+        self.workspace = WorkspaceModel(config, model.dtype.itemsize, widest, options.rounds)
         self.workspace_per_pipeline = _workspace_budget(model, device, options, num_pipelines)
         total_threads = options.num_threads or torch.get_num_threads()
         threads = max(1, total_threads // num_pipelines) if device.type == "cpu" else None
@@ -149,8 +148,7 @@ class Engine:
             if not isinstance(request, RecRequest):
                 raise InvalidArgument(f"requests[{index}]: expected a RecRequest, got "
                                       f"{type(request).__name__}")
-        valid = [validate(request, self.limits, self.tokenizer) for request in requests]
-        scheduled = [self._schedule(v) for v in valid]
+        scheduled = [self._schedule(self.validate(request)) for request in requests]
         self.scheduler.submit_many(scheduled)
         return [s.future for s in scheduled]
 

@@ -91,12 +91,13 @@ class RecModel(nn.Module):
         the `[rows, v]` product) stays in cache, each block's log-sum-exp goes to a `[blocks,
         N]` table, reduced once at the end. One pass over a 176k-token head this way runs at
         ~120 GFLOP/s on two cores where whole-vocabulary row blocks ran at ~60. On a GPU one
-        block covers everything.
+        block of rows goes against vocabulary blocks of at least 32,768 (large kernels, and
+        no `[V, N]` buffer for a wide vocabulary).
         """
         weight, scale = self.head_weight()
         num_rows, vocab = hidden.shape[0], weight.shape[0]
         if hidden.device.type != "cpu":
-            block_rows, block_vocab = num_rows, vocab
+            block_rows, block_vocab = num_rows, max(block_vocab, 32768)
         block_rows, block_vocab = min(block_rows, num_rows), min(block_vocab, vocab)
         num_blocks = -(-vocab // block_vocab)
         buffer = torch.empty(block_vocab * block_rows, dtype=hidden.dtype, device=hidden.device)
