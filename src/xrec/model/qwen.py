@@ -45,16 +45,22 @@ class QwenAttention(nn.Module):
             self.q_norm = RMSNorm(hd, config.rms_norm_eps)
             self.k_norm = RMSNorm(hd, config.rms_norm_eps)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`x [..., D]` -> q `[..., H, Dh]`, k and v `[..., kvH, Dh]`, q and k normed and rotated
-        (`cos`/`sin` broadcast over the head axis)."""
+    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`x [..., D]` -> q `[..., H, Dh]`, normed and rotated (`cos`/`sin` broadcast over heads)."""
         q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
+        return apply_rope(self.q_norm(q) if hasattr(self, "q_norm") else q, cos, sin)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x [..., D]` -> k (normed and rotated) and v, `[..., kvH, Dh]` each."""
         k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return apply_rope(self.k_norm(k) if hasattr(self, "k_norm") else k, cos, sin), v
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q `[..., H, Dh]`, k and v `[..., kvH, Dh]` of `x [..., D]`."""
+        return (self.project_q(x, cos, sin), *self.project_kv(x, cos, sin))
 
 
 class QwenLayer(nn.Module):
@@ -127,18 +133,22 @@ class QwenModel(RecModel):
                           cfg.head_dim), dtype=hidden.dtype, device=device)  # [2, layers, B, kvH, L, Dh]
         layers = self.model.layers
         for index, layer in enumerate(layers):
-            q, k, v = layer.self_attn.project(layer.input_layernorm(hidden), cos, sin)
+            attn, x = layer.self_attn, layer.input_layernorm(hidden)
+            k, v = attn.project_kv(x, cos, sin)                           # [B, L, kvH, Dh]
             keys, values = kv[0, index], kv[1, index]
             keys.copy_(k.transpose(1, 2))
             values.copy_(v.transpose(1, 2))
             if index < len(layers) - 1:
+                q = attn.project_q(x, cos, sin)                           # [B, L, H, Dh]
                 out = attend(q.transpose(1, 2), keys, values, None, self.scale, is_causal=True)
-                hidden = hidden + layer.self_attn.o_proj(out.transpose(1, 2).flatten(2))
+                hidden = hidden + attn.o_proj(out.transpose(1, 2).flatten(2))
             else:  # only the last position of each prompt goes on
+                last = lengths - 1
                 key_mask = padding_mask(lengths, num_len) if inputs.is_ragged else None
-                q_last = q[rows, lengths - 1].unsqueeze(1)                # [B, 1, H, Dh]
-                out = attend_beams(q_last, keys, values, key_mask, self.scale)
-                hidden = hidden[rows, lengths - 1].unsqueeze(1) + layer.self_attn.o_proj(out.flatten(2))
+                q = attn.project_q(x[rows, last].unsqueeze(1), cos[last].unsqueeze(1),
+                                   sin[last].unsqueeze(1))                # [B, 1, H, Dh]
+                out = attend_beams(q, keys, values, key_mask, self.scale)
+                hidden = hidden[rows, last].unsqueeze(1) + attn.o_proj(out.flatten(2))
             hidden = layer.feed_forward(hidden)
         last = self.model.norm(hidden[:, -1])                             # [B, D]
         return last, PrefixKV(kv[0], kv[1], lengths, inputs.is_ragged)
