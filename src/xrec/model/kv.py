@@ -27,7 +27,8 @@ class CrossKV:
 
 @dataclass(frozen=True)
 class PrefixKV:
-    """Decoder self-attention K/V of the shared prefix (BOS or context rows).
+    """Self-attention K/V of the prefix every beam of a request shares: the decoder prefix
+    (BOS or context rows) of an encoder-decoder, or the whole prompt of a decoder-only model.
 
     `k`, `v`: `[layers, B, kvH, P, Dh]`; `lengths`: `[B]` int64 on the device;
     `is_ragged`: some request's prefix is shorter than P (host-known at batch build).
