@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from xrec.config import MODEL_SIZES
+from xrec.files import atomic_directory
 
 DEMO_SIZE, DEMO_SEED, DEMO_ITEMS = "onerec-0.015b", 0, 100_000
 CATALOG_FILE = "items.bin"
@@ -69,14 +68,6 @@ def demo_model_dir(progress: bool = True) -> Path:
     target = xrec_home() / "models" / f"demo-{DEMO_SIZE}-seed{DEMO_SEED}-{DEMO_ITEMS}"
     if (target / "config.json").exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
-    try:
+    with atomic_directory(target) as tmp:
         write_random_model(tmp, DEMO_SIZE, DEMO_SEED, DEMO_ITEMS, progress=progress)
-        try:
-            tmp.rename(target)
-        except OSError:  # another process won the race; its copy is identical
-            pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--repeats", type=int, default=5, help="measured runs per contender")
         p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
         p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+        p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                       help="xrec's dtype (default: the engine's, float32 on CPU and bfloat16 "
+                            "on CUDA); hf and naive always run float32")
         p.add_argument("--quick", action="store_true", help=f"tiny sizes ({QUICK_SIZE}, a few "
                        "requests): a smoke test in seconds")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from xrec.config import MODEL_SIZES, ModelConfig
+from xrec.files import atomic_directory
 
 # --quick: the "tiny" size with as many kv heads as heads (HF T5 has no GQA).
 QUICK_SIZE = "tiny-mha"
@@ -31,16 +30,8 @@ def model_dir(size: str, seed: int, num_items: int) -> Path:
     target = xrec_home() / "models" / f"bench-{size}-seed{seed}-{num_items}"
     if (target / "config.json").exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".bench-", dir=target.parent))
-    try:
+    with atomic_directory(target) as tmp:
         write_random_model(tmp, size, seed, num_items, progress=True, sizes=BENCH_SIZES)
-        try:
-            tmp.rename(target)
-        except OSError:  # another process wrote the same model meanwhile
-            pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

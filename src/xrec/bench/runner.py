@@ -103,7 +103,8 @@ def load_for(args, names: list[str]) -> Contenders:
     OpenMP team left on the caller's thread)."""
     from xrec.bench.cli import model_dir_of
     return in_fresh_thread(
-        lambda: load_contenders(names, model_dir_of(args), args.device, args.threads))
+        lambda: load_contenders(names, model_dir_of(args), args.device, args.threads,
+                                {"dtype": args.dtype}))
 
 
 def run_point(contenders: Contenders, workload: Workload, warmup: int, repeats: int,

@@ -1,0 +1,7 @@
+"""Real interaction data: loading (MovieLens from PyPI wheels, or a user's file), the
+leave-one-out split, ranking metrics and the non-neural baselines. Never imported by the
+serving path."""
+
+from xrec.data.interactions import DataError, Interactions, Split
+
+__all__ = ["DataError", "Interactions", "Split"]

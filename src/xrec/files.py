@@ -1,0 +1,34 @@
+"""Directories written whole or not at all: a temporary sibling renamed into place."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+__all__ = ["atomic_directory"]
+
+
+@contextmanager
+def atomic_directory(target: str | Path, replace: bool = False) -> Iterator[Path]:
+    """Yields an empty temporary directory beside `target`; on a clean exit it becomes
+    `target`, on an exception it is deleted, so a reader never sees a half-written `target`.
+    An existing `target` is kept (another writer won the race: its content is the same) unless
+    `replace`, which swaps it out."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        yield tmp
+        if replace and target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}-old-", dir=target.parent))
+            target.rename(old / target.name)
+            shutil.rmtree(old, ignore_errors=True)
+        try:
+            tmp.rename(target)
+        except OSError:  # target exists: another process wrote it meanwhile
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,1 @@
+"""Training models from interaction sequences: `xrec train`. Never imported by the serving path."""
