@@ -203,7 +203,7 @@ def test_poisson_arrivals_and_load_summary():
 
 
 def test_hf_export_refuses_grouped_kv_heads():
-    from xrec.bench.models import hf_t5_config
+    from xrec.hf_models import hf_t5_config
     from xrec.config import MODEL_SIZES
 
     with pytest.raises(ValueError, match="grouped kv heads"):

@@ -1,4 +1,5 @@
-"""`xrec` command line: serve | recommend | make-model | catalog | bench. Heavy imports stay inside commands."""
+"""`xrec` command line: serve | recommend | make-model | catalog | bench | sid | train | eval |
+demo. Heavy imports stay inside commands."""
 
 from __future__ import annotations
 
@@ -75,6 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     from xrec.catalog_cli import add_catalog_parser
     add_catalog_parser(sub)
+    # the real-data path (`pip install xrec[train]`); the serving path never imports it
+    from xrec.demo_movielens import add_demo_parser
+    from xrec.evaluate.cli import add_eval_parser
+    from xrec.sid.cli import add_sid_parser
+    from xrec.train.cli import add_train_parser
+    add_sid_parser(sub)
+    add_train_parser(sub)
+    add_eval_parser(sub)
+    add_demo_parser(sub)
 
     # listed for --help; main() hands `xrec bench ...` to the bench command's own parser
     sub.add_parser("bench", help="benchmarks: offline | scaling | serve | breakdown")

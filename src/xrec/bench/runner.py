@@ -88,7 +88,7 @@ def _hf_model(model, model_dir: Path, device: str):
     import torch
 
     if model.config.is_encoder_decoder:
-        from xrec.bench.models import export_hf_t5
+        from xrec.hf_models import export_hf_t5
         return export_hf_t5(model)
     from transformers import AutoModelForCausalLM
 

@@ -3,5 +3,7 @@ leave-one-out split, ranking metrics and the non-neural baselines. Never importe
 serving path."""
 
 from xrec.data.interactions import DataError, Interactions, Split
+from xrec.data.sources import load_dataset
+from xrec.data.split import leave_one_out
 
-__all__ = ["DataError", "Interactions", "Split"]
+__all__ = ["DataError", "Interactions", "Split", "leave_one_out", "load_dataset"]
