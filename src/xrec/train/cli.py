@@ -65,19 +65,16 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    import torch
-
     from xrec.data import leave_one_out, load_dataset
     from xrec.train.options import TrainOptions
     from xrec.train.trainer import train
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     options = TrainOptions(**{f.name: getattr(args, f.name) for f in fields(TrainOptions)})
     split = leave_one_out(load_dataset(args.data))
     sid = Path(args.sid) if args.sid else run_dir(args.data) / "sid"
     out = Path(args.out) if args.out else run_dir(args.data) / options.family
-    report = train(split, sid, out, options, progress=not args.no_progress)
+    report = train(split, sid, out, options, progress=not args.no_progress,
+                   threads=args.threads)
     best = report["best"]
     print(f"wrote {out}: best validation HR@10 {best['hr@10']:.4f} at epoch {best['epoch']}, "
           f"{report['train_minutes']:.1f} min; serve it with: xrec serve --model {out}")
