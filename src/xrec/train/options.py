@@ -18,7 +18,7 @@ class TrainOptions:
     layers: int = 2
     heads: int = 4
     max_items: int = 50            # history items in a prompt (3 tokens each)
-    epochs: int = 30
+    epochs: int = 8
     batch_size: int = 32
     lr: float = 3e-3
     weight_decay: float = 0.01
