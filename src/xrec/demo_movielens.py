@@ -94,15 +94,16 @@ def _show_users(split, model_dir: Path, count: int) -> None:
     data = split.data
     titles = data.item_titles or data.item_ids
     users = np.random.default_rng(0).choice(np.flatnonzero(split.test >= 0), count, replace=False)
+    histories = split.history("test")
     ranker = GenerativeRanker.open(model_dir, data.num_items)
     try:
         ranked = ranker.rank(split, "test", 10, 64, users=users)
-        prompt = ranker.vocab.item_tokens[split.history("test")[users[0]][-5:]].ravel().tolist()
+        prompt = ranker.vocab.item_tokens[histories[users[0]][-5:]].ravel().tolist()
     finally:
         ranker.close()
     for user, row in zip(users, ranked):
         print(f"user {data.user_ids[user]}, last movies:")
-        for item in split.history("test")[user][-5:]:
+        for item in histories[user][-5:]:
             print(f"    {titles[item]}")
         print("  top 10:")
         for rank, item in enumerate(row, 1):

@@ -52,7 +52,8 @@ def evaluate(split: Split, model_dirs: list[Path], out_dir: Path, options: EvalO
     out_dir.mkdir(parents=True, exist_ok=True)
     users = np.flatnonzero(split.targets(options.stage) >= 0)
     targets = split.targets(options.stage)[users]
-    histories = [split.history(options.stage)[u] for u in users]
+    everyone = split.history(options.stage)
+    histories = [everyone[u] for u in users]
     k = max(KS)
     rows: dict[str, dict] = {}
     timings: dict[str, float] = {}
