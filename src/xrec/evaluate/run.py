@@ -155,7 +155,7 @@ def _plot(path: Path, report: dict, model_dirs) -> None:
     x = np.arange(len(rows))
     for offset, metric in ((-0.2, "hr@10"), (0.2, "ndcg@10")):
         values = [m[metric] for m in rows.values()]
-        drawn = bars.bar(x + offset, values, 0.4, label=metric.upper().replace("HR", "HR"))
+        drawn = bars.bar(x + offset, values, 0.4, label=metric.upper())
         for bar, name in zip(drawn, rows):
             if name in report["published"]:
                 bar.set_hatch("//")
