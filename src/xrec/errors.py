@@ -14,6 +14,9 @@ class XrecError(Exception):
         self.message = message
         self.request_id = request_id
 
+    def __reduce__(self):  # the class, message and request id cross a process boundary
+        return type(self), (self.message, self.request_id)
+
 
 class InvalidArgument(XrecError, ValueError):
     code, http_status = "INVALID_ARGUMENT", 400

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import logging
 import os
@@ -18,14 +17,15 @@ from typing import Any, Sequence
 
 import torch
 
-from xrec.api_types import RecRequest, RecResponse, SearchLimits, ValidRequest, validate
+from xrec.api_types import SearchLimits, ValidRequest
 from xrec.catalog import ItemCatalog
 from xrec.config import EngineOptions
 from xrec.engine.executor import BatchReport, Executor
+from xrec.engine.frontend import EngineFrontend
 from xrec.engine.host_memory import retain_freed_memory
 from xrec.engine.requests import BatchLimits, ScheduledRequest
 from xrec.engine.scheduler import FixedStepsScheduler
-from xrec.errors import InvalidArgument, Unavailable
+from xrec.errors import Unavailable
 from xrec.model.family import RecModel
 from xrec.model.loader import load_model
 from xrec.search.step import RecStep
@@ -33,8 +33,10 @@ from xrec.search.workspace import BatchShape, WorkspaceModel
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_ISOLATION = "thread"
 
-class Engine:
+
+class Engine(EngineFrontend):
     """A loaded model (+ catalog) behind a fixed-steps scheduler and concurrent pipelines.
 
     >>> engine = Engine.from_pretrained(model_dir, max_concurrency=2)
@@ -103,36 +105,20 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike, catalog: Any = None,
-                        **engine_options: Any) -> "Engine":
+                        isolation: str = DEFAULT_ISOLATION, **engine_options: Any) -> EngineFrontend:
         """Load `model_dir` (config.json + safetensors, and tokenizer.json when it has one).
-        `catalog`: None (the model directory's own, if any), a path, or an `ItemCatalog`."""
-        from xrec.tokenizer import PromptTokenizer
-
-        options = EngineOptions.from_kwargs(**engine_options)
-        device = _resolve_device(options.device)
-        dtype = getattr(torch, options.dtype) if options.dtype != "auto" else \
-            (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        model = load_model(model_dir, device, dtype)
-        vocab = model.config.vocab_size
-        if catalog is None:
-            catalog = ItemCatalog.from_model_dir(model_dir, vocab)
-        elif not isinstance(catalog, ItemCatalog):
-            catalog = ItemCatalog.read(catalog, vocab)
-        tokenizer = PromptTokenizer.from_model_dir(model_dir)
-        return cls(model, catalog, options, Path(model_dir).resolve().name, tokenizer)
+        `catalog`: None (the model directory's own, if any), a path, or an `ItemCatalog`.
+        `isolation`: "thread" runs the pipelines in this process; "process" runs them in a
+        child process (`ProcessEngine`, same API), where the host's own torch work cannot
+        throttle them (README, "Embedding the engine")."""
+        if isolation == "process":
+            from xrec.engine.isolated import ProcessEngine
+            return ProcessEngine.start(model_dir, catalog, engine_options)
+        if isolation != "thread":
+            raise ValueError(f"isolation: got {isolation!r}, allowed: thread, process")
+        return cls(*load_parts(model_dir, catalog, EngineOptions.from_kwargs(**engine_options)))
 
     # ---- requests ----------------------------------------------------------
-
-    def submit(self, request: RecRequest) -> Future:
-        """Validate and queue one request; its future resolves to a `RecResponse` or an
-        `XrecError`. Raises `InvalidArgument` at once for a bad request."""
-        return self.submit_valid(self.validate(request))
-
-    def validate(self, request: RecRequest) -> ValidRequest:
-        """The request checked and its prompt tokenized (the edge), not queued."""
-        if not isinstance(request, RecRequest):
-            raise InvalidArgument(f"expected a RecRequest, got {type(request).__name__}")
-        return validate(request, self.limits, self.tokenizer)
 
     def submit_valid(self, valid: ValidRequest) -> Future:
         """Queue a request that `validate` returned."""
@@ -140,15 +126,10 @@ class Engine:
         self.scheduler.submit(scheduled)
         return scheduled.future
 
-    def submit_many(self, requests: Sequence[RecRequest]) -> list[Future]:
-        """Validate every request, then queue them all at once (so they can share a batch).
-        Raises `InvalidArgument` before queueing anything if one is bad; a request refused
+    def submit_valid_many(self, valids: Sequence[ValidRequest]) -> list[Future]:
+        """Queue validated requests at once (so they can share a batch); a request refused
         at admission (queue full, too big) has its future failed."""
-        for index, request in enumerate(requests):
-            if not isinstance(request, RecRequest):
-                raise InvalidArgument(f"requests[{index}]: expected a RecRequest, got "
-                                      f"{type(request).__name__}")
-        scheduled = [self._schedule(self.validate(request)) for request in requests]
+        scheduled = [self._schedule(valid) for valid in valids]
         self.scheduler.submit_many(scheduled)
         return [s.future for s in scheduled]
 
@@ -161,13 +142,6 @@ class Engine:
     def release_wakeups(self) -> None:
         self.scheduler.release_wakeups()
 
-    def recommend(self, requests: RecRequest | Sequence[RecRequest]) -> list[RecResponse]:
-        """Run requests to completion (`submit_many`); responses in request order; the
-        first failure is raised."""
-        if isinstance(requests, RecRequest):
-            requests = [requests]
-        return [future.result() for future in self.submit_many(requests)]
-
     def _schedule(self, valid: ValidRequest) -> ScheduledRequest:
         if self._closed.is_set():
             raise Unavailable("engine is closed")
@@ -176,10 +150,6 @@ class Engine:
         return ScheduledRequest(valid.request_id, valid.input_len + valid.prefix_len,
                                 valid.beam_width, valid.num_results, payload=valid,
                                 deadline=deadline)
-
-    async def recommend_async(self, request: RecRequest) -> RecResponse:
-        """Await one request; cancelling the awaiting task cancels a still-waiting request."""
-        return await asyncio.wrap_future(self.submit(request))
 
     # ---- lifecycle ---------------------------------------------------------
 
@@ -190,12 +160,6 @@ class Engine:
         self._closed.set()
         self.scheduler.close(grace_s)
         self.executor.close(grace_s)
-
-    def __enter__(self) -> "Engine":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def add_report_hook(self, hook: Any) -> None:
         """Call `hook(BatchReport)` after every batch (metrics)."""
@@ -212,6 +176,24 @@ class Engine:
     def _on_report(self, report: BatchReport) -> None:
         for hook in self._report_hooks:
             hook(report)
+
+
+def load_parts(model_dir: str | os.PathLike, catalog: Any,
+               options: EngineOptions) -> tuple[RecModel, ItemCatalog | None, EngineOptions, str, Any]:
+    """What an `Engine` is built from: the model, its catalog, options, name and tokenizer."""
+    from xrec.tokenizer import PromptTokenizer
+
+    device = _resolve_device(options.device)
+    dtype = getattr(torch, options.dtype) if options.dtype != "auto" else \
+        (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = load_model(model_dir, device, dtype)
+    vocab = model.config.vocab_size
+    if catalog is None:
+        catalog = ItemCatalog.from_model_dir(model_dir, vocab)
+    elif not isinstance(catalog, ItemCatalog):
+        catalog = ItemCatalog.read(catalog, vocab)
+    tokenizer = PromptTokenizer.from_model_dir(model_dir)
+    return model, catalog, options, Path(model_dir).resolve().name, tokenizer
 
 
 def _resolve_device(name: str) -> torch.device:
