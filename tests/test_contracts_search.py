@@ -1,0 +1,136 @@
+"""The contracts of search/beam.py, each on a small hand-checked tensor (milliseconds).
+
+The oracles (test_search.py) check whole searches; these pin the edges the oracles
+never reach: a beam with no valid child, ties, rows shorter than k, -0.0, mixed widths.
+Written against single-line mutants that survived the suite (issue 15).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from xrec.search.beam import follow_parents, gather_children, mask_beyond, normalize, select_top
+
+INF = math.inf
+
+
+def test_gather_children_pads_with_a_valid_token_and_marks_it_invalid():
+    offsets = torch.tensor([0, 2, 2, 5])        # node 0: 2 children, node 1: none, node 2: 3
+    tokens = torch.tensor([10, 11, 20, 21, 22])
+    nodes = torch.tensor([[0, 1, 2]])           # [B=1, W=3]
+    children = gather_children(offsets, tokens, nodes, max_children=3)
+    assert children.is_valid.tolist() == [[[True, True, False], [False, False, False],
+                                            [True, True, True]]]
+    assert children.first.tolist() == [[0, 2, 2]]
+    # padding repeats a token of the array (never out of range); only valid ones count
+    assert children.tokens[children.is_valid].tolist() == [10, 11, 20, 21, 22]
+    assert children.tokens.tolist() == [[[10, 11, 20], [20, 21, 22], [20, 21, 22]]]
+
+
+def test_gather_children_clamps_at_the_end_of_the_level():
+    offsets = torch.tensor([0, 1, 3])
+    tokens = torch.tensor([5, 6, 7])
+    children = gather_children(offsets, tokens, torch.tensor([[1, 0]]), max_children=4)
+    assert children.tokens.tolist() == [[[6, 7, 7, 7], [5, 6, 7, 7]]]
+    assert children.is_valid.sum(-1).tolist() == [[2, 1]]
+
+
+@pytest.mark.parametrize("mode", ["allowed", "full"])
+def test_a_beam_without_a_valid_child_is_all_minus_inf_never_nan(mode):
+    """Every candidate masked: "allowed" takes logsumexp over nothing (-inf), and
+    -inf - (-inf) is NaN unless the result is masked again."""
+    logits = torch.tensor([[[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]])             # [B=1, W=2, C=3]
+    is_valid = torch.tensor([[[True, False, True], [False, False, False]]])
+    full_lse = torch.logsumexp(logits, -1) if mode == "full" else None
+    lp = normalize(logits, is_valid, full_lse)
+    assert not lp.isnan().any()
+    assert lp[0, 1].tolist() == [-INF, -INF, -INF]
+    assert lp[0, 0, 1].item() == -INF
+    denominator = torch.logsumexp(logits[0, 0] if mode == "full" else logits[0, 0, [0, 2]], -1)
+    torch.testing.assert_close(lp[0, 0, [0, 2]], logits[0, 0, [0, 2]] - denominator)
+
+
+def test_full_normalisation_with_an_infinite_denominator_stays_minus_inf():
+    """full_lse of -inf (a row whose whole vocabulary was masked) must not turn
+    the masked candidates into NaN either."""
+    logits = torch.full((1, 1, 2), -INF)
+    lp = normalize(logits, torch.tensor([[[False, False]]]), torch.tensor([[-INF]]))
+    assert lp.tolist() == [[[-INF, -INF]]]
+
+
+def test_allowed_normalisation_sums_to_one_over_the_valid_candidates():
+    logits = torch.tensor([[0.0, 1.0, 7.0, 2.0]])
+    is_valid = torch.tensor([[True, True, False, True]])
+    lp = normalize(logits, is_valid, None)
+    assert lp[0, 2].item() == -INF
+    torch.testing.assert_close(lp[is_valid].exp().sum(), torch.tensor(1.0))
+
+
+def test_without_a_mask_nothing_is_masked():
+    logits = torch.tensor([[0.0, -INF, 1.0]])
+    lse = torch.logsumexp(logits, -1)
+    torch.testing.assert_close(normalize(logits, None, None), logits - lse.unsqueeze(-1))
+    full_lse = torch.tensor([3.0])
+    torch.testing.assert_close(normalize(logits, None, full_lse), logits - 3.0)
+
+
+def test_a_beam_without_children_is_never_selected_while_valid_candidates_remain():
+    """normalize -> select_top, the search's pair: the dead beam's candidates rank last."""
+    logits = torch.tensor([[[0.5, 0.1], [9.0, 9.0]]])                      # [B=1, W=2, C=2]
+    is_valid = torch.tensor([[[True, True], [False, False]]])
+    scores = (normalize(logits, is_valid, None) + torch.tensor([[[0.0], [0.0]]])).flatten(1)
+    values, indices = select_top(scores, 3)
+    assert indices[0, :2].tolist() == [0, 1]
+    assert values[0, 2].item() == -INF and not values.isnan().any()
+
+
+def test_select_top_orders_best_first_and_ties_by_the_lower_index():
+    scores = torch.tensor([[1.0, 3.0, 2.0, 3.0, -1.0, 2.0]])
+    values, indices = select_top(scores, 5)
+    assert indices.tolist() == [[1, 3, 2, 5, 0]]
+    assert values.tolist() == [[3.0, 3.0, 2.0, 2.0, 1.0]]
+
+
+def test_select_top_orders_negative_scores_and_treats_minus_zero_as_zero():
+    scores = torch.tensor([[-0.5, -0.0, -2.0, 0.0, -INF, -1e-30]])
+    values, indices = select_top(scores, 6)
+    assert indices.tolist() == [[1, 3, 5, 0, 2, 4]]   # -0.0 and 0.0 tie: lower index first
+    assert values[0, -1].item() == -INF
+
+
+def test_select_top_works_per_row():
+    scores = torch.tensor([[0.0, 1.0, 2.0], [2.0, 1.0, 0.0]])
+    values, indices = select_top(scores, 2)
+    assert indices.tolist() == [[2, 1], [0, 1]]
+    assert values.tolist() == [[2.0, 1.0], [2.0, 1.0]]
+
+
+def test_select_top_pads_rows_shorter_than_k_with_minus_inf_at_index_zero():
+    scores = torch.tensor([[1.0, 2.0], [4.0, 3.0]])
+    values, indices = select_top(scores, 4)
+    assert values.tolist() == [[2.0, 1.0, -INF, -INF], [4.0, 3.0, -INF, -INF]]
+    assert indices.tolist() == [[1, 0, 0, 0], [0, 1, 0, 0]]
+    assert indices.dtype == torch.int64
+
+
+def test_select_top_exactly_k_candidates_needs_no_padding():
+    values, indices = select_top(torch.tensor([[1.0, 2.0]]), 2)
+    assert values.tolist() == [[2.0, 1.0]] and indices.tolist() == [[1, 0]]
+
+
+def test_mask_beyond_keeps_positions_below_each_rows_width():
+    values = torch.arange(8, dtype=torch.float32).reshape(2, 4)
+    masked = mask_beyond(values, torch.tensor([1, 4]))
+    assert masked.tolist() == [[0.0, -INF, -INF, -INF], [4.0, 5.0, 6.0, 7.0]]
+    assert mask_beyond(values, None) is values
+
+
+def test_follow_parents_reorders_each_requests_history():
+    history = torch.tensor([[[1, 1], [2, 2], [3, 3]], [[4, 4], [5, 5], [6, 6]]])   # [B=2, W=3, R=2]
+    parents = torch.tensor([[2, 2, 0, 1], [1, 0, 0, 2]])                            # [B=2, K=4]
+    out = follow_parents(history, parents)
+    assert out[..., 0].tolist() == [[3, 3, 1, 2], [5, 4, 4, 6]]
+    assert out.shape == (2, 4, 2)
