@@ -304,6 +304,8 @@ NAIVE_CONFIGS = {
                                         moe_route_scale=1.5, use_absolute_position_embedding=True,
                                         tie_word_embeddings=False, decoder_num_kv_heads=1),
     "dense_gqa": BASE.replace(num_kv_heads=1, decoder_num_heads=2, decoder_head_dim=12, decoder_num_kv_heads=1),
+    # every other model uses eps 1e-6, so a norm that ignored the configured eps went unseen (issue 15)
+    "large_eps": BASE.replace(layer_norm_epsilon=0.5),
 }
 
 

@@ -1,0 +1,93 @@
+"""Contracts of model/layers.py that the oracle models cannot show (issue 15).
+
+Every oracle model uses the default eps 1e-6, where a norm that ignored the
+configured value looks right. Here: RMSNorm by hand, and a Qwen3 model (q/k norms
+too) with rms_norm_eps 0.5 against Hugging Face. The OneRec family's case is
+NAIVE_CONFIGS["large_eps"] in test_model.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from xrec.model.layers import RMSNorm, gated_silu, relative_position_bucket
+from xrec.model.inputs import ModelInputs
+from xrec.model.loader import load_model
+
+
+def test_rms_norm_uses_its_eps_and_weight():
+    norm = RMSNorm(2, eps=1.0)
+    with torch.no_grad():
+        norm.weight.copy_(torch.tensor([1.0, 2.0]))
+    x = torch.tensor([[3.0, 4.0]])                     # mean of squares 12.5
+    expected = torch.tensor([[3.0, 8.0]]) / math.sqrt(12.5 + 1.0)
+    torch.testing.assert_close(norm(x), expected)
+
+
+def test_rms_norm_keeps_the_input_dtype_and_computes_in_float32():
+    norm = RMSNorm(3, eps=1e-6)
+    x = torch.tensor([[1e3, -1e3, 2e3]], dtype=torch.bfloat16)
+    out = norm(x)
+    assert out.dtype == torch.bfloat16
+    expected = x.float() / x.float().pow(2).mean(-1, keepdim=True).sqrt()
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=0)
+
+
+def test_gated_silu_is_down_of_silu_gate_times_up():
+    gate, up, down = (torch.nn.Linear(2, 2, bias=False) for _ in range(3))
+    with torch.no_grad():
+        gate.weight.copy_(torch.eye(2))
+        up.weight.copy_(torch.tensor([[2.0, 0.0], [0.0, 3.0]]))
+        down.weight.copy_(torch.tensor([[1.0, 1.0], [0.0, 1.0]]))
+    x = torch.tensor([[1.0, -1.0]])
+    silu = x * torch.sigmoid(x)
+    hidden = silu * torch.tensor([[2.0, -3.0]])
+    expected = torch.stack([hidden[:, 0] + hidden[:, 1], hidden[:, 1]], -1)
+    torch.testing.assert_close(gated_silu(x, gate, up, down), expected)
+
+
+def _hf_bucket(relative_position, bidirectional, num_buckets, max_distance):
+    """Hugging Face T5Attention._relative_position_bucket, element by element."""
+    out = []
+    for n in relative_position.tolist():
+        bucket, buckets = 0, num_buckets
+        if bidirectional:
+            buckets //= 2
+            bucket += buckets if n > 0 else 0
+            n = abs(n)
+        else:
+            n = -min(n, 0)
+        max_exact = buckets // 2
+        if n < max_exact:
+            out.append(bucket + n)
+            continue
+        large = max_exact + int(math.log(n / max_exact) / math.log(max_distance / max_exact)
+                                * (buckets - max_exact))
+        out.append(bucket + min(large, buckets - 1))
+    return out
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize("num_buckets,max_distance", [(32, 128), (16, 20), (8, 8)])
+def test_relative_position_buckets_match_t5(bidirectional, num_buckets, max_distance):
+    positions = torch.arange(-300, 301)
+    got = relative_position_bucket(positions, bidirectional=bidirectional,
+                                   num_buckets=num_buckets, max_distance=max_distance)
+    assert got.tolist() == _hf_bucket(positions, bidirectional, num_buckets, max_distance)
+
+
+def test_configured_rms_norm_eps_reaches_every_qwen_norm(tmp_path):
+    pytest.importorskip("transformers")
+    from oracles.hf_causal import hf_causal_logits, make_hf_causal
+
+    hf, directory = make_hf_causal(tmp_path, kind="qwen3", seed=9, vocab_size=48, rms_norm_eps=0.5)
+    model = load_model(directory, "cpu", torch.float32)
+    prompt = [5, 9, 13, 2, 40]
+    with torch.inference_mode():
+        last, _ = model.prefill(ModelInputs(torch.tensor([prompt]), [len(prompt)], [], None, [],
+                                            None, [0]))
+        logits = model.logits(last)[0]                                        # [V]
+    torch.testing.assert_close(logits, hf_causal_logits(hf, prompt)[-1], rtol=0, atol=2e-5)
