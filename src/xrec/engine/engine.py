@@ -48,8 +48,10 @@ class Engine(EngineFrontend):
     """
 
     def __init__(self, model: RecModel, catalog: ItemCatalog | None, options: EngineOptions,
-                 model_name: str = "xrec", tokenizer: Any = None):
-        """`tokenizer`: the model directory's `PromptTokenizer` (prompts, chat, result text) or None."""
+                 model_name: str = "xrec", tokenizer: Any = None, answers_as_data: bool = False):
+        """`tokenizer`: the model directory's `PromptTokenizer` (prompts, chat, result text) or None.
+        `answers_as_data`: futures resolve to `ResponseData` (a process-isolated engine's child
+        sends those) instead of `RecResponse`."""
         self.model, self.catalog, self.options, self.model_name = model, catalog, options, model_name
         self.tokenizer = tokenizer
         config = model.config
@@ -89,7 +91,8 @@ class Engine(EngineFrontend):
                                  options.total_conversion_threshold, threads,
                                  None if tokenizer is None else tokenizer.tokens_text,
                                  on_batch_done=self.scheduler.batch_done, on_report=self._on_report,
-                                 batch_bytes=self._batch_bytes)
+                                 batch_bytes=self._batch_bytes,
+                                 **({"finish": lambda data: data} if answers_as_data else {}))
         self.num_pipelines = num_pipelines
         self._closed = threading.Event()
         # The objects of start-up (torch, model, catalog: ~170k) move to the permanent GC

@@ -15,13 +15,13 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from xrec.catalog import ItemCatalog
 from xrec.engine.requests import ScheduledRequest
-from xrec.engine.responses import build_responses, ms
+from xrec.engine.responses import ResponseData, response_data, ms
 from xrec.engine.threads import use_threads_in_this_thread
 from xrec.errors import DeadlineExceeded, Internal
 from xrec.search.batch import prepare_batch
@@ -48,6 +48,7 @@ class Executor:
     `token_text(ids)` gives a result's text (None: results carry none).
     `on_batch_done` is called once per batch after its requests are answered
     (the scheduler's `batch_done`); `on_report` receives a `BatchReport`.
+    `finish(ResponseData)` makes a request's answer (default: the `RecResponse`).
     `fault` is a test hook: called with the batch before it runs; may raise.
     """
 
@@ -56,12 +57,13 @@ class Executor:
                  token_text: Callable[[list[int]], str] | None,
                  on_batch_done: Callable[[], None], on_report: Callable[[BatchReport], None],
                  batch_bytes: Callable[[list[ScheduledRequest]], int],
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 finish: Callable[[ResponseData], Any] = ResponseData.to_response):
         self.step, self.catalog, self.token_text = step, catalog, token_text
         self.each_threshold, self.total_threshold = each_threshold, total_threshold
         self.on_batch_done, self.on_report, self.clock = on_batch_done, on_report, clock
         self.threads_per_pipeline = threads_per_pipeline
-        self.batch_bytes = batch_bytes
+        self.batch_bytes, self.finish = batch_bytes, finish
         self.fault: Callable[[list[ScheduledRequest]], None] | None = None
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._busy = 0
@@ -131,8 +133,9 @@ class Executor:
             finished = self.clock()
             timings = [{"queue_ms": ms(started - r.enqueued_at), "run_ms": ms(finished - started)}
                        for r in batch]
-            responses = build_responses(output, requests, self.catalog, self.each_threshold,
-                                        self.total_threshold, timings, self.token_text)
+            responses = [self.finish(data) for data in response_data(
+                output, requests, self.catalog, self.each_threshold, self.total_threshold, timings,
+                self.token_text)]
             is_ok = True
         except Exception as exc:  # a failure in one batch fails only that batch
             logger.exception("batch of %d requests failed", len(batch))

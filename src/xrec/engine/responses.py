@@ -1,8 +1,16 @@
-"""Step output (host arrays) -> `RecResponse`s, with item conversion through the catalog."""
+"""Step output (host arrays) -> `RecResponse`s, with item conversion through the catalog.
+
+In two stages: `response_data` (on the pipeline) gathers each response as arrays and
+flat lists, `ResponseData.to_response` makes the dataclass objects. An in-process
+engine does both on the pipeline; a process-isolated one sends `ResponseData` across
+(a few arrays pickle in microseconds; thousands of small objects do not) and makes
+the objects on the caller's side.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -12,13 +20,45 @@ from xrec.catalog import ItemCatalog
 from xrec.search.step import StepOutput
 
 
-def build_responses(output: StepOutput, requests: Sequence[ValidRequest], catalog: ItemCatalog | None,
-                    each_threshold: int, total_threshold: int,
-                    timings: Sequence[dict[str, float]],
-                    token_text: Callable[[list[int]], str] | None = None) -> list[RecResponse]:
-    """One response per request: its finite-score results, best first, with items (and
+@dataclass(frozen=True)
+class ResponseData:
+    """One response as arrays: n results (finite scores, best first), their items flat."""
+
+    request_id: str
+    tokens: np.ndarray                 # [n, R] int64
+    scores: np.ndarray                 # [n] float32
+    token_logprobs: np.ndarray         # [n, R] float32
+    item_ids: np.ndarray               # [m] int64, the items of every result in order
+    item_offsets: np.ndarray           # [n + 1]: result i's items are item_ids[a_i:a_i+1]
+    dids: list | None                  # [m] (extended catalogs)
+    types: list | None                 # [m]
+    texts: list | None                 # [n] each result's tokens as text
+    usage: dict[str, int]
+    timing: dict[str, float]
+
+    def to_response(self) -> RecResponse:
+        keep = len(self.scores)
+        token_lists, score_list = self.tokens.tolist(), self.scores.tolist()
+        lp_lists = self.token_logprobs.tolist()
+        ids = self.item_ids.tolist()
+        if self.dids is not None:
+            flat = [RecItem(i, did, t) for i, did, t in zip(ids, self.dids, self.types)]
+        else:
+            flat = [RecItem(i) for i in ids]
+        bounds = self.item_offsets.tolist()
+        texts = self.texts if self.texts is not None else [None] * keep
+        results = [RecCandidate(tuple(token_lists[i]), score_list[i], tuple(lp_lists[i]),
+                                flat[bounds[i]:bounds[i + 1]], texts[i]) for i in range(keep)]
+        return RecResponse(self.request_id, results, self.usage, self.timing)
+
+
+def response_data(output: StepOutput, requests: Sequence[ValidRequest], catalog: ItemCatalog | None,
+                  each_threshold: int, total_threshold: int,
+                  timings: Sequence[dict[str, float]],
+                  token_text: Callable[[list[int]], str] | None = None) -> list[ResponseData]:
+    """One `ResponseData` per request: its finite-score results, best first, with items (and
     each result's tokens as text when `token_text` is given)."""
-    responses = []
+    out = []
     for b, request in enumerate(requests):
         num = request.num_results
         scores = output.scores[b, :num]                                   # [N]
@@ -26,32 +66,22 @@ def build_responses(output: StepOutput, requests: Sequence[ValidRequest], catalo
         tokens = output.tokens[b, :keep]                                  # [n, R]
         # only whole semantic IDs have items (free decoding may run another number of rounds)
         is_whole = catalog is not None and tokens.shape[1] == catalog.triples.shape[1]
-        items: list[list[RecItem]] = [[] for _ in range(keep)]
+        rows, offsets = np.zeros(0, dtype=np.int64), np.zeros(keep + 1, dtype=np.int64)
         if is_whole and request.return_items and keep:
-            items = _items(catalog, *catalog.convert_flat(tokens, each_threshold, total_threshold,
-                                                          seed=request.seed))
-        token_lists = tokens.tolist()
-        score_list, lp_lists = scores[:keep].tolist(), output.token_logprobs[b, :keep].tolist()
-        texts = [token_text(t) for t in token_lists] if token_text is not None else [None] * keep
-        results = [RecCandidate(tuple(token_lists[i]), score_list[i], tuple(lp_lists[i]), items[i],
-                                texts[i]) for i in range(keep)]
-        responses.append(RecResponse(
-            request_id=request.request_id, results=results,
-            usage={"input_tokens": request.input_len, "beams": request.beam_width},
-            timing=timings[b]))
-    return responses
-
-
-def _items(catalog: ItemCatalog, rows: np.ndarray, offsets: np.ndarray) -> list[list[RecItem]]:
-    """Per triple its items, from `convert_flat`'s rows and offsets (one gather for all)."""
-    ids = catalog.item_ids[rows].tolist()
-    if catalog.is_extended:
-        dids, types = catalog.dids, catalog.types
-        flat = [RecItem(item_id, dids[row], types[row]) for item_id, row in zip(ids, rows.tolist())]
-    else:
-        flat = [RecItem(item_id) for item_id in ids]
-    bounds = offsets.tolist()
-    return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+            rows, offsets = catalog.convert_flat(tokens, each_threshold, total_threshold,
+                                                 seed=request.seed)
+        dids = types = None
+        if catalog is not None and catalog.is_extended:
+            row_list = rows.tolist()
+            dids = [catalog.dids[row] for row in row_list]
+            types = [catalog.types[row] for row in row_list]
+        item_ids = catalog.item_ids[rows] if catalog is not None else rows
+        texts = [token_text(t) for t in tokens.tolist()] if token_text is not None else None
+        out.append(ResponseData(request.request_id, tokens, scores[:keep],
+                                output.token_logprobs[b, :keep], item_ids, offsets, dids, types,
+                                texts, {"input_tokens": request.input_len,
+                                        "beams": request.beam_width}, timings[b]))
+    return out
 
 
 def ms(seconds: float) -> float:
