@@ -107,7 +107,9 @@ BAD_REQUESTS = [
     ("id-negative", dict(token_ids=[3, -1, 4]), ["token_ids", "-1"]),
     ("id-vocab", dict(token_ids=[3, VOCAB]), ["token_ids", str(VOCAB)]),
     ("id-huge", dict(token_ids=[10 ** 12]), ["token_ids"]),
-    ("id-beyond-int64", dict(token_ids=[2 ** 70]), ["token_ids"]),
+    ("id-beyond-int64", dict(token_ids=[2 ** 70]), ["token_ids", str(2 ** 70)]),
+    ("id-int64-wrap", dict(token_ids=[2 ** 63]), ["token_ids[0]", str(2 ** 63)]),
+    ("id-mixed-wide", dict(token_ids=[1, -1, 2 ** 63]), ["token_ids[1]", "-1"]),
     ("ids-empty", dict(token_ids=[]), ["token_ids", "empty"]),
     ("embedding-empty", dict(sparse_embedding=np.zeros((0, D_MODEL), np.float32)), ["sparse_embedding"]),
     ("ids-too-long", dict(token_ids=[1] * (MAX_INPUT_LEN + 1)), ["token_ids", "max_input_len"]),
@@ -138,6 +140,16 @@ BAD_REQUESTS = [
     ("temperature-inf", dict(token_ids=[1], temperature=math.inf), ["temperature"]),
     ("temperature-text", dict(token_ids=[1], temperature="hot"), ["temperature"]),
     ("temperature-bool", dict(token_ids=[1], temperature=True), ["temperature"]),
+    # issue 12, item 4: below the floor the scaled log-probs overflow float32 (an empty 200 before)
+    ("temperature-tiny", dict(token_ids=[1], temperature=1e-38), ["temperature", "1e-38", "1e-06"]),
+    ("temperature-below-floor", dict(token_ids=[1], temperature=9e-7), ["temperature", "1e-06"]),
+    # issue 12, item 11: no real part silently taken, no text parsed as numbers
+    ("embedding-complex", dict(sparse_embedding=emb(2).astype(np.complex64)),
+     ["sparse_embedding", "complex64"]),
+    ("embedding-complex-list", dict(sparse_embedding=[[1j] * D_MODEL]), ["sparse_embedding", "complex"]),
+    ("embedding-text", dict(sparse_embedding=[["0.5"] * D_MODEL]), ["sparse_embedding"]),
+    ("embedding-bool", dict(sparse_embedding=np.ones((2, D_MODEL), dtype=bool)), ["sparse_embedding", "bool"]),
+    ("embedding-none-inside", dict(sparse_embedding=[[None] * D_MODEL]), ["sparse_embedding"]),
     ("timeout-zero", dict(token_ids=[1], timeout_ms=0), ["timeout_ms"]),
     ("timeout-negative", dict(token_ids=[1], timeout_ms=-10), ["timeout_ms"]),
     ("timeout-nan", dict(token_ids=[1], timeout_ms=math.nan), ["timeout_ms"]),
@@ -148,6 +160,8 @@ BAD_REQUESTS = [
     ("request-id-long", dict(token_ids=[1], request_id="x" * 257), ["request_id"]),
     ("return-items-text", dict(token_ids=[1], return_items="yes"), ["return_items"]),
     ("seed-negative", dict(token_ids=[1], seed=-1), ["seed"]),
+    ("seed-negative-numpy", dict(token_ids=[1], seed=np.int64(-1)), ["seed"]),
+    ("seed-float", dict(token_ids=[1], seed=1.0), ["seed"]),
 ]
 
 
@@ -200,6 +214,43 @@ def test_valid_edge_values_are_accepted(engine):
     assert {"queue_ms", "run_ms"} <= set(responses[0].timing)
 
 
+def test_out_of_range_id_is_named_as_sent(engine):
+    """Issue 12, item 10: 2**63 was cast to int64 first and reported as -2**63."""
+    for value in (2 ** 63, 2 ** 64 - 1, 2 ** 64):
+        with pytest.raises(InvalidArgument) as info:
+            engine.submit(RecRequest(token_ids=[1, value]))
+        assert f"token_ids[1]: got {value}," in info.value.message
+        assert "-9223372036854775808" not in info.value.message
+
+
+def test_numpy_scalars_are_accepted_like_python_ones(engine):
+    """Issue 12, item 11: seed=np.int64(1) was refused while beam_width=np.int64(8) passed."""
+    numpy_kw = dict(token_ids=np.array([1, 2, 3]), beam_width=np.int64(4), top_k=np.int32(4),
+                    num_return_sequences=np.int16(3), seed=np.int64(1), return_items=np.bool_(True),
+                    temperature=np.float32(0.5), timeout_ms=np.float64(60_000))
+    plain_kw = dict(token_ids=[1, 2, 3], beam_width=4, top_k=4, num_return_sequences=3, seed=1,
+                    return_items=True, temperature=0.5, timeout_ms=60_000)
+    numpy_answer, plain_answer = recommend(engine, [RecRequest(**numpy_kw), RecRequest(**plain_kw)])
+    assert [c.tokens for c in numpy_answer.results] == [c.tokens for c in plain_answer.results]
+    assert [c.items for c in numpy_answer.results] == [c.items for c in plain_answer.results]
+    valid = engine.validate(RecRequest(**numpy_kw))
+    assert type(valid.seed) is int and type(valid.return_items) is bool
+
+
+def test_temperature_floor_gives_real_results(engine):
+    """Issue 12, item 4: 1e-38 gave an empty 200 (logits / T overflowed float32 to inf, then
+    NaN scores); the floor 1e-6 gives every result, finite, ranked as T -> 0 ranks them."""
+    floor = xrec.api_types.MIN_TEMPERATURE
+    for normalize in ("allowed", "full"):
+        at_floor, sharp = recommend(engine, [
+            good_request(beam_width=8, temperature=floor, normalize=normalize),
+            good_request(beam_width=8, temperature=10 * floor, normalize=normalize)])
+        assert len(at_floor.results) == 8
+        assert all(math.isfinite(c.score) for c in at_floor.results)
+        # scores are ~ (logit gaps) / T there: a smaller T scales them, the ranking stays
+        assert [c.tokens for c in at_floor.results] == [c.tokens for c in sharp.results]
+
+
 def test_defaults_apply(engine):
     response, = recommend(engine, [RecRequest(token_ids=[1, 2, 3])])
     assert len(response.results) == 4          # default_beam_width=4 -> N = W = 4
@@ -213,6 +264,12 @@ def test_not_a_request(engine):
         engine.submit({"token_ids": [1, 2]})
     with pytest.raises(InvalidArgument, match=r"requests\[1\]"):
         engine.recommend([good_request(), {"token_ids": [1]}])
+    # issue 12, item 11: None (or any non-sequence) was a TypeError
+    for value in (None, 5, object()):
+        with pytest.raises(InvalidArgument, match="RecRequest"):
+            engine.recommend(value)
+        with pytest.raises(InvalidArgument, match="RecRequest"):
+            engine.submit_many(value)
     assert_still_serving(engine)
 
 

@@ -13,6 +13,9 @@ import numpy as np
 from xrec.errors import InvalidArgument
 
 NORMALIZATIONS = ("allowed", "full")
+# Below this a temperature changes no ranking, only inflates scores toward float32 overflow
+# (docs/decisions.md, "Temperature floor"); 0 means 1.
+MIN_TEMPERATURE = 1e-6
 
 
 @dataclass
@@ -63,10 +66,36 @@ class RecCandidate:
 
 @dataclass(frozen=True)
 class RecResponse:
+    """`catalog_version`: the content hash of the catalog the request's batch ran on (None
+    without a catalog); a catalog swap never changes it mid-batch."""
+
     request_id: str
     results: list[RecCandidate]
     usage: dict[str, int]
     timing: dict[str, float]
+    catalog_version: str | None = None
+
+
+@dataclass(frozen=True)
+class CatalogVersion:
+    """One loaded catalog, as `Engine.catalog_version` and `GET /v1/admin/catalog` show it.
+
+    `content_hash`: 16 hex digits of the SHA-256 of the catalog's content (item ids,
+    triples, and did/type strings when extended, in catalog order), so the same content
+    has the same hash whatever its file format. `loaded_at`: Unix time in seconds.
+    `source`: the file it was read from (None: given as an `ItemCatalog`).
+    """
+
+    content_hash: str
+    num_items: int
+    loaded_at: float
+    source: str | None = None
+    is_extended: bool = False
+
+    def to_dict(self) -> dict:
+        return {"content_hash": self.content_hash, "num_items": self.num_items,
+                "loaded_at": round(self.loaded_at, 3), "source": self.source,
+                "is_extended": self.is_extended}
 
 
 @dataclass(frozen=True)
@@ -177,20 +206,24 @@ def _validate(request: RecRequest, limits: SearchLimits, rid: str, tokenizer: An
     if normalize not in NORMALIZATIONS:
         raise InvalidArgument(f"normalize: got {normalize!r}, allowed: {', '.join(NORMALIZATIONS)}")
     temperature = 1.0 if request.temperature is None else request.temperature
-    if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
-        raise InvalidArgument(f"temperature: got {temperature!r}, expected a finite number >= 0")
+    if (not _is_real(temperature) or not math.isfinite(temperature)
+            or not (temperature == 0 or temperature >= MIN_TEMPERATURE)):
+        raise InvalidArgument(f"temperature: got {temperature!r}, allowed: 0 (meaning 1) or a "
+                              f"finite number >= {MIN_TEMPERATURE:g}")
     timeout = request.timeout_ms
     if timeout is not None and (not _is_real(timeout) or not math.isfinite(timeout) or timeout <= 0):
         raise InvalidArgument(f"timeout_ms: got {timeout!r}, expected a positive number")
-    if not isinstance(request.return_items, bool):
+    if not isinstance(request.return_items, (bool, np.bool_)):
         raise InvalidArgument(f"return_items: got {request.return_items!r}, expected true or false")
     seed = request.seed
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
+                             or seed < 0):
         raise InvalidArgument(f"seed: got {seed!r}, expected an integer >= 0")
     prefix_len = limits.decoder_start_len if context is None else len(context)
     return ValidRequest(rid, token_ids, embedding, context, width, top_k, num_results, normalize,
-                        float(temperature), request.return_items,
-                        None if timeout is None else float(timeout), seed, prefix_len)
+                        float(temperature), bool(request.return_items),
+                        None if timeout is None else float(timeout),
+                        None if seed is None else int(seed), prefix_len)
 
 
 def _prompt_ids(request: RecRequest, field_name: str, limits: SearchLimits,
@@ -230,25 +263,41 @@ def _int(name: str, value: Any, default: int, low: int, high: int) -> int:
 
 def _token_ids(values: Any, limits: SearchLimits, name: str = "token_ids") -> np.ndarray:
     try:
-        array = np.asarray(values)
+        array = _integers(values)
     except (TypeError, ValueError) as e:
         raise InvalidArgument(f"{name}: not a list of integers ({e})") from None
-    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iuO"):
         raise InvalidArgument(f"{name}: expected a flat list of integers, got an array of "
                               f"shape {list(array.shape)} and type {array.dtype}")
-    array = array.astype(np.int64)
+    # checked before the cast to int64: 2**63 must not wrap to -2**63 in the message
     bad = np.flatnonzero((array < 0) | (array >= limits.vocab_size))
     if bad.size:
         what = f"{name}[{bad[0]}]" if name == "token_ids" else f"{name}: token {bad[0]} of the encoding"
         raise InvalidArgument(f"{what}: got {array[bad[0]]}, allowed range "
                               f"[0, {limits.vocab_size - 1}] (vocab_size={limits.vocab_size})")
+    return array.astype(np.int64)
+
+
+def _integers(values: Any) -> np.ndarray:
+    """`values` as an array; a list of Python ints beyond int64 (which numpy turns into
+    uint64, float64 or object) as an object array of those ints, compared exactly."""
+    array = np.asarray(values)
+    if array.dtype.kind in "fO" and array.ndim == 1 and not isinstance(values, np.ndarray):
+        exact = np.asarray(values, dtype=object)
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in exact):
+            return exact                                 # an error path: some int is too wide
+        if array.dtype.kind == "O":
+            raise TypeError("not every element is an integer")
     return array
 
 
 def _matrix(name: str, values: Any, width: int) -> np.ndarray:
     try:
+        array = values if isinstance(values, np.ndarray) else np.asarray(values)
+        if array.dtype.kind not in "iuf":   # complex (the imaginary part would be lost), text, bool
+            raise TypeError(f"elements of type {array.dtype}, expected real numbers")
         with np.errstate(over="ignore", invalid="ignore"):   # beyond float32 range -> inf, refused below
-            array = np.asarray(values, dtype=np.float32)
+            array = array.astype(np.float32, copy=False)
     except (TypeError, ValueError) as e:
         raise InvalidArgument(f"{name}: not a numeric matrix ({e})") from None
     if array.ndim != 2 or array.shape[1] != width:

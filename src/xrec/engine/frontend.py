@@ -47,6 +47,9 @@ class EngineFrontend:
         """Validate every request, then queue them all at once (so they can share a batch).
         Raises `InvalidArgument` before queueing anything if one is bad; a request refused
         at admission (queue full, too big) has its future failed."""
+        if not isinstance(requests, Sequence) or isinstance(requests, str):
+            raise InvalidArgument(f"requests: expected a sequence of RecRequest, got "
+                                  f"{type(requests).__name__}")
         for index, request in enumerate(requests):
             if not isinstance(request, RecRequest):
                 raise InvalidArgument(f"requests[{index}]: expected a RecRequest, got "
