@@ -6,6 +6,7 @@ is imported only by `ItemCatalog.constraint_tables` and `ConstraintTables.to`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -271,6 +272,20 @@ class ItemCatalog:
     def __repr__(self) -> str:
         return (f"ItemCatalog(num_items={self.num_items}, num_triples={self.num_triples}, "
                 f"vocab_size={self.vocab_size}, is_extended={self.is_extended})")
+
+    def content_hash(self) -> str:
+        """16 hex digits of the SHA-256 of the content, in row order: item ids (int64 LE),
+        triples (int32 LE) and, when extended, each did and type (UTF-8, length-prefixed).
+        Equal content has an equal hash whichever file form it came from."""
+        digest = hashlib.sha256()
+        digest.update(self._item_ids.astype("<i8").tobytes())
+        digest.update(self._triples.astype("<i4").tobytes())
+        if self.is_extended:
+            for strings in (self._dids, self._types):
+                encoded = [text.encode() for text in strings]
+                digest.update(np.array([len(b) for b in encoded], dtype="<u4").tobytes())
+                digest.update(b"".join(encoded))
+        return digest.hexdigest()[:16]
 
     # --- lookups ------------------------------------------------------------------------
 
