@@ -17,15 +17,16 @@ from typing import Any, Sequence
 
 import torch
 
-from xrec.api_types import SearchLimits, ValidRequest
+from xrec.api_types import CatalogVersion, SearchLimits, ValidRequest
 from xrec.catalog import ItemCatalog
 from xrec.config import EngineOptions
+from xrec.engine.catalogs import CatalogSlots, ServedCatalog, serve_catalog
 from xrec.engine.executor import BatchReport, Executor
 from xrec.engine.frontend import EngineFrontend
 from xrec.engine.host_memory import retain_freed_memory
 from xrec.engine.requests import BatchLimits, ScheduledRequest
 from xrec.engine.scheduler import FixedStepsScheduler
-from xrec.errors import Unavailable
+from xrec.errors import InvalidArgument, Unavailable
 from xrec.model.family import RecModel
 from xrec.model.loader import load_model
 from xrec.search.step import RecStep
@@ -52,22 +53,17 @@ class Engine(EngineFrontend):
         """`tokenizer`: the model directory's `PromptTokenizer` (prompts, chat, result text) or None.
         `answers_as_data`: futures resolve to `ResponseData` (a process-isolated engine's child
         sends those) instead of `RecResponse`."""
-        self.model, self.catalog, self.options, self.model_name = model, catalog, options, model_name
+        self.model, self.options, self.model_name = model, options, model_name
         self.tokenizer = tokenizer
         config = model.config
         device = model.device
         if device.type == "cpu" and options.retain_host_memory:
             retain_freed_memory()
-        is_constrained = catalog is not None if options.constrained is None else options.constrained
-        if is_constrained and catalog is None:
+        # fixed for the engine's life: a catalog loaded later constrains iff this one did
+        self.is_constrained = catalog is not None if options.constrained is None else options.constrained
+        if self.is_constrained and catalog is None:
             raise ValueError("option constrained=true needs a catalog (none was found or given)")
-        if catalog is not None and tokenizer is not None:
-            _check_catalog_tokens(catalog, tokenizer)
-        tables = catalog.constraint_tables(device) if is_constrained else None
-        if tables is not None and options.rounds > tables.num_levels:
-            raise ValueError(f"option rounds: got {options.rounds}, the catalog has "
-                             f"{tables.num_levels} token levels")
-        self.step = RecStep(model, tables, options.rounds)
+        self._catalogs = CatalogSlots(self._serve_catalog(catalog, source=None))
         max_positions = None if config.max_positions is None else \
             config.max_positions - (options.rounds - 1)
         self.limits = SearchLimits(config.vocab_size, config.d_model, options.max_input_len,
@@ -76,8 +72,6 @@ class Engine(EngineFrontend):
                                    config.accepts_embeddings, config.decoder_start_len,
                                    max_positions, _generation_prefix(options, config, tokenizer))
         num_pipelines = options.max_concurrency or (2 if device.type == "cuda" else 1)
-        widest = max(tables.max_children[1:], default=1) if tables else config.vocab_size
-        self.workspace = WorkspaceModel(config, model.dtype.itemsize, widest, options.rounds)
         self.workspace_per_pipeline = _workspace_budget(model, device, options, num_pipelines)
         total_threads = options.num_threads or torch.get_num_threads()
         threads = max(1, total_threads // num_pipelines) if device.type == "cpu" else None
@@ -87,7 +81,7 @@ class Engine(EngineFrontend):
                         options.max_beams_per_batch, self.workspace_per_pipeline, num_pipelines,
                         options.request_queue_size, options.batch_wait_ms),
             launch=self._launch, workspace_bytes=self._batch_bytes)
-        self.executor = Executor(self.step, catalog, num_pipelines, options.each_conversion_threshold,
+        self.executor = Executor(model, num_pipelines, options.each_conversion_threshold,
                                  options.total_conversion_threshold, threads,
                                  None if tokenizer is None else tokenizer.tokens_text,
                                  on_batch_done=self.scheduler.batch_done, on_report=self._on_report,
@@ -154,6 +148,85 @@ class Engine(EngineFrontend):
                                 valid.beam_width, valid.num_results, payload=valid,
                                 deadline=deadline)
 
+    # ---- the catalog (hot reload: engine/catalogs.py) ---------------------------
+
+    @property
+    def catalog(self) -> ItemCatalog | None:
+        """The catalog new batches run on."""
+        return self._catalogs.current.catalog
+
+    @property
+    def step(self) -> RecStep:
+        """The search over the current catalog's constraint tables."""
+        return self._catalogs.current.step
+
+    @property
+    def workspace(self) -> WorkspaceModel:
+        return self._catalogs.current.workspace
+
+    @property
+    def catalog_version(self) -> CatalogVersion | None:
+        """The current catalog's version (content hash, item count, loaded at), or None."""
+        return self._catalogs.current.version
+
+    @property
+    def previous_catalog_version(self) -> CatalogVersion | None:
+        """The version `restore_catalog()` would bring back, or None."""
+        previous = self._catalogs.previous
+        return None if previous is None else previous.version
+
+    def load_catalog(self, catalog: str | os.PathLike | ItemCatalog,
+                     extended: bool | None = None) -> CatalogVersion:
+        """Load a new catalog (a file, read as `ItemCatalog.read` does, or an `ItemCatalog`),
+        check it completely against the model and the engine, and swap it in atomically:
+        batches already launched finish on the catalog they started with, later ones run
+        on the new one, and the current one becomes the previous (see `restore_catalog`).
+        `extended`: read extended records (None: as the current catalog).
+
+        Raises `InvalidArgument` for a catalog that fails a check: the current one keeps
+        serving. At most two catalogs are in memory: the previous one is let go first
+        (`Unavailable` if a batch still runs on it after 30 s).
+        """
+        if self._closed.is_set():
+            raise Unavailable("engine is closed")
+        if not isinstance(catalog, (str, os.PathLike, ItemCatalog)) or catalog == "":
+            raise InvalidArgument(f"catalog: got {catalog!r}, expected a file path or an ItemCatalog")
+        if extended is not None and not isinstance(extended, bool):
+            raise InvalidArgument(f"extended: got {extended!r}, expected true, false or None")
+
+        def build() -> ServedCatalog:
+            if isinstance(catalog, ItemCatalog):
+                loaded, source = catalog, None
+            else:
+                current = self._catalogs.current.catalog
+                is_extended = extended if extended is not None else \
+                    current is not None and current.is_extended
+                loaded = ItemCatalog.read(catalog, self.model.config.vocab_size, is_extended)
+                source = str(Path(catalog).resolve())
+            try:
+                return self._serve_catalog(loaded, source)
+            except ValueError as exc:   # InvalidArgument is a ValueError too
+                raise InvalidArgument(str(exc) if isinstance(exc, InvalidArgument) else
+                                      f"catalog {source or loaded}: "
+                                      f"{str(exc).removeprefix('catalog: ')}") from None
+
+        version = self._catalogs.replace(build).version
+        logger.info("catalog loaded: %s", version)
+        return version
+
+    def restore_catalog(self) -> CatalogVersion | None:
+        """Make the previous catalog current again (the current one becomes the previous);
+        `NotFound` when there is none. Returns the version now serving."""
+        if self._closed.is_set():
+            raise Unavailable("engine is closed")
+        version = self._catalogs.restore().version
+        logger.info("catalog restored: %s", version)
+        return version
+
+    def _serve_catalog(self, catalog: ItemCatalog | None, source: str | None) -> ServedCatalog:
+        return serve_catalog(catalog, source, self.model, self.options.rounds, self.is_constrained,
+                             self.tokenizer)
+
     # ---- lifecycle ---------------------------------------------------------
 
     def close(self, grace_s: float = 30.0) -> None:
@@ -171,10 +244,10 @@ class Engine(EngineFrontend):
     # ---- internals -----------------------------------------------------------
 
     def _launch(self, batch: list[ScheduledRequest]) -> None:
-        self.executor.launch(batch)
+        self.executor.launch(batch, self._catalogs.current)   # the batch keeps this catalog
 
     def _batch_bytes(self, batch: Sequence[ScheduledRequest]) -> int:
-        return self.workspace.batch_bytes(BatchShape.of([r.payload for r in batch]))
+        return self._catalogs.current.workspace.batch_bytes(BatchShape.of([r.payload for r in batch]))
 
     def _on_report(self, report: BatchReport) -> None:
         for hook in self._report_hooks:
@@ -228,21 +301,6 @@ def _generation_prefix(options: EngineOptions, config: Any, tokenizer: Any) -> t
         raise ValueError(f"option generation_prefix: token id {bad[0]} is outside the vocabulary "
                          f"[0, {config.vocab_size - 1}]")
     return tuple(int(i) for i in ids)
-
-
-def _check_catalog_tokens(catalog: ItemCatalog, tokenizer: Any) -> None:
-    """Every token of every semantic ID must be one the tokenizer knows (else the catalog was
-    built for another vocabulary)."""
-    import numpy as np
-
-    known = tokenizer.known_ids(catalog.vocab_size)                       # [V] bool
-    is_unknown = ~known[catalog.triples]                                  # [n, 3]
-    if is_unknown.any():
-        row, level = np.argwhere(is_unknown)[0]
-        raise ValueError(f"catalog: item {catalog.item_ids[row]} has token {catalog.triples[row, level]} "
-                         f"at level {level}, which the model's tokenizer.json does not know "
-                         f"({int(is_unknown.any(axis=1).sum())} items have unknown tokens); build the "
-                         "catalog through the model's tokenizer (xrec catalog import)")
 
 
 def _workspace_budget(model: RecModel, device: torch.device, options: EngineOptions,

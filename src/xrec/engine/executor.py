@@ -2,9 +2,11 @@
 
 A launched batch runs start to finish on one pipeline: host preparation, the
 whole R-round `RecStep` on the pipeline's stream, one copy back, item
-conversion, answers. Pipelines share one model and one set of catalog tables
-(read-only) and take no lock from each other. A failure inside a batch fails
-that batch's requests with INTERNAL; the pipeline goes on serving.
+conversion, answers. Pipelines share one model and take no lock from each
+other; a batch runs on the catalog (`ServedCatalog`: tables and items, read-only)
+it was launched with, even when the engine swaps catalogs meanwhile. A failure
+inside a batch fails that batch's requests with INTERNAL; the pipeline goes on
+serving.
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ from typing import Any, Callable
 
 import torch
 
-from xrec.catalog import ItemCatalog
+from xrec.engine.catalogs import ServedCatalog
 from xrec.engine.requests import ScheduledRequest
 from xrec.engine.responses import ResponseData, response_data, ms
 from xrec.engine.threads import use_threads_in_this_thread
 from xrec.errors import DeadlineExceeded, Internal
 from xrec.search.batch import prepare_batch
-from xrec.search.step import RecStep
+from xrec.model.family import RecModel
 from xrec.search.workspace_buffers import Workspace
 
 logger = logging.getLogger(__name__)
@@ -52,14 +54,14 @@ class Executor:
     `fault` is a test hook: called with the batch before it runs; may raise.
     """
 
-    def __init__(self, step: RecStep, catalog: ItemCatalog | None, num_pipelines: int,
+    def __init__(self, model: RecModel, num_pipelines: int,
                  each_threshold: int, total_threshold: int, threads_per_pipeline: int | None,
                  token_text: Callable[[list[int]], str] | None,
                  on_batch_done: Callable[[], None], on_report: Callable[[BatchReport], None],
                  batch_bytes: Callable[[list[ScheduledRequest]], int],
                  clock: Callable[[], float] = time.monotonic,
                  finish: Callable[[ResponseData], Any] = ResponseData.to_response):
-        self.step, self.catalog, self.token_text = step, catalog, token_text
+        self.model, self.token_text = model, token_text
         self.each_threshold, self.total_threshold = each_threshold, total_threshold
         self.on_batch_done, self.on_report, self.clock = on_batch_done, on_report, clock
         self.threads_per_pipeline = threads_per_pipeline
@@ -69,7 +71,7 @@ class Executor:
         self._busy = 0
         self._bytes_in_use = 0
         self._busy_lock = threading.Lock()
-        device = step.device
+        device = model.device
         self._pipelines = [threading.Thread(target=self._serve, args=(index, device),
                                             name=f"xrec-pipeline-{index}", daemon=True)
                            for index in range(num_pipelines)]
@@ -85,9 +87,10 @@ class Executor:
         """The workspace estimate of the batches running now (the scheduler's admission figure)."""
         return self._bytes_in_use
 
-    def launch(self, batch: list[ScheduledRequest]) -> None:
-        """Hand a batch to a free pipeline (the scheduler bounds batches in flight)."""
-        self._work.put(batch)
+    def launch(self, batch: list[ScheduledRequest], served: ServedCatalog) -> None:
+        """Hand a batch to a free pipeline (the scheduler bounds batches in flight); it runs
+        on `served` (its search and items) whatever the engine serves by then."""
+        self._work.put((batch, served))
 
     def close(self, timeout_s: float = 30.0) -> None:
         for _ in self._pipelines:
@@ -102,40 +105,47 @@ class Executor:
         # Each pipeline owns its stream; everything of a batch is queued on it.
         stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         workspace = Workspace(device)  # this pipeline's reusable buffers, used on its stream only
-        while True:
-            batch = self._work.get()
-            if batch is None:
-                return
-            num_bytes = self.batch_bytes(batch)
-            with self._busy_lock:
-                self._busy += 1
-                self._bytes_in_use += num_bytes
-            try:
-                self._run(batch, stream, workspace)
-            finally:
-                with self._busy_lock:
-                    self._busy -= 1
-                    self._bytes_in_use -= num_bytes
-                self.on_batch_done()
+        while self._serve_one(stream, workspace):
+            pass
 
-    def _run(self, batch: list[ScheduledRequest], stream: torch.cuda.Stream | None,
-             workspace: Workspace) -> None:
+    def _serve_one(self, stream: torch.cuda.Stream | None, workspace: Workspace) -> bool:
+        """Run the next batch (False: close). Its catalog is referenced by this frame only,
+        so it is let go when the batch is done (a catalog load waits for that)."""
+        work = self._work.get()
+        if work is None:
+            return False
+        batch, served = work
+        num_bytes = self.batch_bytes(batch)
+        with self._busy_lock:
+            self._busy += 1
+            self._bytes_in_use += num_bytes
+        try:
+            self._run(batch, served, stream, workspace)
+        finally:
+            with self._busy_lock:
+                self._busy -= 1
+                self._bytes_in_use -= num_bytes
+            self.on_batch_done()
+        return True
+
+    def _run(self, batch: list[ScheduledRequest], served: ServedCatalog,
+             stream: torch.cuda.Stream | None, workspace: Workspace) -> None:
         started = self.clock()
         requests = [r.payload for r in batch]
         is_ok = False
         try:
             if self.fault is not None:
                 self.fault(batch)
-            step_batch = prepare_batch(requests, self.step.model.config.d_model,
+            step_batch = prepare_batch(requests, self.model.config.d_model,
                                        pin_memory=stream is not None)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                output = self.step.run(step_batch, workspace)
+                output = served.step.run(step_batch, workspace)
             finished = self.clock()
             timings = [{"queue_ms": ms(started - r.enqueued_at), "run_ms": ms(finished - started)}
                        for r in batch]
             responses = [self.finish(data) for data in response_data(
-                output, requests, self.catalog, self.each_threshold, self.total_threshold, timings,
-                self.token_text)]
+                output, requests, served.catalog, self.each_threshold, self.total_threshold, timings,
+                self.token_text, served.content_hash)]
             is_ok = True
         except Exception as exc:  # a failure in one batch fails only that batch
             logger.exception("batch of %d requests failed", len(batch))

@@ -35,6 +35,7 @@ class ResponseData:
     texts: list | None                 # [n] each result's tokens as text
     usage: dict[str, int]
     timing: dict[str, float]
+    catalog_version: str | None = None  # the content hash of the catalog the batch ran on
 
     def to_response(self) -> RecResponse:
         keep = len(self.scores)
@@ -49,13 +50,14 @@ class ResponseData:
         texts = self.texts if self.texts is not None else [None] * keep
         results = [RecCandidate(tuple(token_lists[i]), score_list[i], tuple(lp_lists[i]),
                                 flat[bounds[i]:bounds[i + 1]], texts[i]) for i in range(keep)]
-        return RecResponse(self.request_id, results, self.usage, self.timing)
+        return RecResponse(self.request_id, results, self.usage, self.timing, self.catalog_version)
 
 
 def response_data(output: StepOutput, requests: Sequence[ValidRequest], catalog: ItemCatalog | None,
                   each_threshold: int, total_threshold: int,
                   timings: Sequence[dict[str, float]],
-                  token_text: Callable[[list[int]], str] | None = None) -> list[ResponseData]:
+                  token_text: Callable[[list[int]], str] | None = None,
+                  catalog_version: str | None = None) -> list[ResponseData]:
     """One `ResponseData` per request: its finite-score results, best first, with items (and
     each result's tokens as text when `token_text` is given)."""
     out = []
@@ -80,7 +82,8 @@ def response_data(output: StepOutput, requests: Sequence[ValidRequest], catalog:
         out.append(ResponseData(request.request_id, tokens, scores[:keep],
                                 output.token_logprobs[b, :keep], item_ids, offsets, dids, types,
                                 texts, {"input_tokens": request.input_len,
-                                        "beams": request.beam_width}, timings[b]))
+                                        "beams": request.beam_width}, timings[b],
+                                catalog_version))
     return out
 
 
