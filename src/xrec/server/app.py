@@ -10,6 +10,7 @@ it in `xrec.server.run`; tests may also drive it through
     GET  /v1/models            OpenAI list shape; GET /v1/models/{name}
     GET  /health               200 serving; 503 loading or draining
     GET  /metrics              Prometheus text
+    GET  /v1/admin/catalog     catalog versions; POST loads one, POST .../restore (admin.py)
 
 Decisions where `spec/serving.md` is silent:
 
@@ -118,8 +119,10 @@ class XrecService:
             self.metrics.on_accepted(input_len)
             result = await _await_answer(future, request)
             payload = self._payload(engine, api, parsed, result)
-            response = Response(_dumps(payload), media_type="application/json",
-                                headers={"X-Request-Id": request_id})
+            headers = {"X-Request-Id": request_id}
+            if result.catalog_version is not None:   # the catalog its batch ran on (admin.py)
+                headers["X-Catalog-Version"] = result.catalog_version
+            response = Response(_dumps(payload), media_type="application/json", headers=headers)
             code = "OK"
             return response
         except XrecError as e:
@@ -333,6 +336,8 @@ def create_app(engine: Any, *, served_model_name: str | None = None, api_key: st
         error.http_status = exc.status_code
         return error_response(error)
 
+    from xrec.server.admin import add_catalog_routes   # admin.py imports this module
+    add_catalog_routes(app, service)
     app.add_middleware(_Gate, service=service)
     return app
 

@@ -6,6 +6,12 @@ pipeline thread; prometheus_client metrics are thread-safe). Gauges are read
 from the engine when scraped. Per-round time is the batch's run time divided
 by the engine's `rounds` (the run time includes host preparation and item
 conversion, so this is an upper bound of the device time of one round).
+
+The served catalog (hot reload, `server/admin.py`) is read when scraped:
+`xrec_catalog_info{content_hash, source} 1` names the current version,
+`xrec_catalog_items` and `xrec_catalog_loaded_timestamp_seconds` describe it (none of
+the three without a catalog); `xrec_catalog_changes_total{action, code}` counts loads
+and restores through the admin routes by outcome.
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                    30.0, 60.0)
@@ -72,6 +80,11 @@ class ServerMetrics:
         }
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=registry).set_function(self._reader(read))
+        self.catalog_changes = Counter(
+            "xrec_catalog_changes", "Catalog loads and restores through the admin routes, by "
+            "action (load, restore) and status code (OK or an error code)", ["action", "code"],
+            registry=registry)
+        registry.register(_CatalogCollector(self))
 
     def attach(self, engine: Any) -> None:
         self._engine = engine
@@ -98,6 +111,9 @@ class ServerMetrics:
         self.input_length.observe(input_len)
         self.tokens_in.inc(input_len)
 
+    def on_catalog_change(self, action: str, code: str) -> None:
+        self.catalog_changes.labels(action, code).inc()
+
     def on_finished(self, api: str, code: str, seconds: float | None = None) -> None:
         self.requests.labels(api, code).inc()
         if seconds is not None:
@@ -105,3 +121,26 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _CatalogCollector(Collector):
+    """The engine's current catalog version, read at each scrape (a swap shows at once, and
+    the previous version's labels vanish)."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self) -> Any:
+        engine = self.metrics._engine
+        version = None if engine is None else getattr(engine, "catalog_version", None)
+        if version is None:
+            return
+        info = GaugeMetricFamily("xrec_catalog_info", "The catalog serving new batches (value 1)",
+                                 labels=["content_hash", "source"])
+        info.add_metric([version.content_hash, version.source or ""], 1.0)
+        yield info
+        yield GaugeMetricFamily("xrec_catalog_items", "Items in the current catalog",
+                                value=version.num_items)
+        yield GaugeMetricFamily("xrec_catalog_loaded_timestamp_seconds",
+                                "When the current catalog was loaded (Unix time)",
+                                value=version.loaded_at)
