@@ -477,8 +477,11 @@ def test_auth(engine):
         assert_error(httpx.get(running.url + "/metrics"), 401, "UNAUTHENTICATED")
         assert_error(httpx.get(running.url + "/v1/models"), 401, "UNAUTHENTICATED")
         assert httpx.get(running.url + "/v1/models", headers=right).status_code == 200
-        # over 1 MiB: parsed and checked on a worker thread (default 64 MiB body limit)
-        big = httpx.post(url, json={"token_ids": [1] * 400_000}, headers=right, timeout=WAIT_S)
+        # over 1 MiB: parsed and checked on a worker thread (default body limit: the model's
+        # largest valid request; 250,000 ids are fewer values than its two embeddings)
+        body = json.dumps({"token_ids": [1] * 250_000}, indent=2)
+        assert len(body) > 1 << 20
+        big = httpx.post(url, content=body, headers=right, timeout=WAIT_S)
         assert "max_input_len" in assert_error(big, 400)["message"]
         assert metric(running.url, "xrec_requests_total", api="native",
                       code="UNAUTHENTICATED") == 3

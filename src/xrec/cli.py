@@ -67,10 +67,24 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", help="bearer token required on every request "
-                       "(default: $XREC_API_KEY; none when unset)")
+                       "(default: $XREC_API_KEY; none when unset; an empty key is refused)")
     serve.add_argument("--served-model-name", help="model name in the API (default: the directory's)")
-    serve.add_argument("--max-body-bytes", type=int, default=64 << 20)
+    serve.add_argument("--max-body-bytes", type=int, default=None, help="default: the size of "
+                       "the largest valid request for the model (26 MiB for onerec-0.015b)")
     serve.add_argument("--grace-s", type=float, default=30.0, help="drain time on SIGTERM")
+    limits = serve.add_argument_group("connection limits (README, Serving)")
+    limits.add_argument("--max-header-bytes", type=int, default=None,
+                        help="request line + headers, else 431 (default 16384)")
+    limits.add_argument("--header-timeout-s", type=float, default=None,
+                        help="from a request's first byte to the end of its head, else 408 "
+                        "(default 10)")
+    limits.add_argument("--body-timeout-s", type=float, default=None,
+                        help="from the end of the head to the end of the body, else 408 "
+                        "(default 60)")
+    limits.add_argument("--keep-alive-s", type=float, default=None,
+                        help="an idle connection is closed after this long (default 5)")
+    limits.add_argument("--max-connections", type=int, default=None,
+                        help="open connections; above it 503 and closed (default 1024)")
     add_engine_options(serve)
     serve.set_defaults(run=_serve)
 
@@ -199,7 +213,7 @@ def _recommend(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from xrec.server.run import serve
-    return serve(args, _model_dir(args), engine_options(args))
+    return serve(args, _model_dir(args), engine_options(args), restore_signals=False)
 
 
 if __name__ == "__main__":

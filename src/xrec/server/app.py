@@ -23,14 +23,23 @@ Decisions where `spec/serving.md` is silent:
   unknown paths and 405 (code INVALID_ARGUMENT) for a wrong method. 429 and
   503 carry `Retry-After: 1`.
 - The body limit is checked on `Content-Length` before reading, and on the
-  bytes actually read (chunked bodies) before parsing: 413.
-- `request_id`: the client's, else a fresh uuid4 hex (also for errors found
-  before the body is parsed); it is the response's `id`, the `X-Request-Id`
-  header and the error body's `request_id`.
+  bytes actually read (chunked bodies) before parsing: 413. By default it is the
+  size of the largest valid request for the served model, and a body that holds
+  more JSON values than that request is 413 before parsing (schemas.py).
+  Connection-level limits (head size, read deadlines, connection cap) are in
+  `xrec.server.limits`, below the app.
+- `request_id`: the client's (1 to 256 visible ASCII characters, else 400 and
+  the id is not repeated), else a fresh uuid4 hex (also for errors found before
+  the body is parsed); it is the response's `id`, the `X-Request-Id` header and
+  the error body's `request_id`.
 - A native request may name `model` too (same check as xllm's: another name
   is 404 NOT_FOUND; none goes to the served model).
 - Bodies over 1 MiB are parsed and submitted on a worker thread, so a large
-  embedding does not stall the event loop.
+  embedding does not stall the event loop, one at a time (parsing holds the GIL:
+  several at once are no faster, and each holds its parse memory).
+- Shutdown: requests whose answer is not ready when the drain's grace period
+  ends are answered 503 UNAVAILABLE (`abandon_unfinished`); a handler that the
+  server cancels answers 503 too, never uvicorn's plain-text 500.
 - The client going away while its request waits or runs cancels it (a
   waiting request is dropped by the scheduler; a running batch finishes and
   the answer is dropped); it is counted as CANCELLED and answered 499 (which
@@ -63,7 +72,6 @@ from xrec.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES = 64 << 20
 THREAD_PARSE_BYTES = 1 << 20
 COMPLETION_PATHS = {"/v1/rec/completions": "native", "/v1/completions": "xllm",
                     "/v1/chat/completions": "chat"}
@@ -77,25 +85,35 @@ class XrecService:
     """What the routes share: the engine (None while loading), name, auth, limits, metrics."""
 
     def __init__(self, engine: Any, served_model_name: str | None, api_key: str | None,
-                 max_body_bytes: int):
-        if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+                 max_body_bytes: int | None):
+        """`max_body_bytes`: None derives it from the engine (schemas.max_body_bytes)."""
+        if max_body_bytes is not None and (not isinstance(max_body_bytes, int)
+                                           or max_body_bytes < 1):
             raise ValueError(f"max_body_bytes: got {max_body_bytes!r}, expected an integer >= 1")
         if engine is None and not served_model_name:
             raise ValueError("served_model_name is required when the engine is not loaded yet")
         self.engine: Any = None
         self.model_name = served_model_name or engine.model_name
-        self.api_key = api_key.encode() if api_key else None
-        self.max_body_bytes = max_body_bytes
+        self.api_key = _checked_key(api_key)
+        self._max_body_bytes = max_body_bytes
+        self.max_body_bytes = max_body_bytes or 0   # set by attach() when derived
+        self.max_json_values = 0                    # set by attach()
         self.metrics = ServerMetrics()
         self.is_draining = False
+        self.is_abandoned = False   # the drain's grace period ended (event-loop thread only)
         self.num_in_flight = 0      # HTTP requests inside the app (event-loop thread only)
         self._is_holding = False    # the engine's wake-ups are held (event-loop thread only)
+        self._waiters: set[asyncio.Future] = set()   # answers awaited (event-loop thread only)
+        self._big_parses = asyncio.Semaphore(1)
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.created = int(time.time())
         if engine is not None:
             self.attach(engine)
 
     def attach(self, engine: Any) -> None:
         """The engine is loaded: start serving it."""
+        self.max_json_values = schemas.max_json_values(engine.limits)
+        self.max_body_bytes = self._max_body_bytes or schemas.max_body_bytes(engine.limits)
         self.metrics.attach(engine)
         self.engine = engine
 
@@ -103,21 +121,36 @@ class XrecService:
         """Health turns 503 and new requests are refused UNAVAILABLE (queued ones finish)."""
         self.is_draining = True
 
+    def abandon_unfinished(self) -> None:
+        """From any thread, once the drain's grace period is over: every request still
+        waiting for its answer is answered UNAVAILABLE now (its engine request is
+        cancelled; a batch that runs it finishes and the answer is dropped)."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._abandon)
+
+    def _abandon(self) -> None:
+        self.is_abandoned = True
+        for waiter in list(self._waiters):
+            waiter.cancel()
+
     # ---- completions -----------------------------------------------------
 
     async def complete(self, request: Request, api: str) -> Response:
         started, request_id, code = time.perf_counter(), None, "INTERNAL"
+        self._loop = asyncio.get_running_loop()
         try:
             engine = self._engine_or_503()
             body = await read_body(request, self.max_body_bytes)
             if len(body) > THREAD_PARSE_BYTES:
-                parsed, request_id, future, input_len = await asyncio.to_thread(
-                    self._accept, engine, body, api)
+                async with self._big_parses:
+                    parsed, request_id, future, input_len = await asyncio.to_thread(
+                        self._accept, engine, body, api)
             else:
                 self._hold_wakeups_this_iteration(engine)
                 parsed, request_id, future, input_len = self._accept(engine, body, api)
             self.metrics.on_accepted(input_len)
-            result = await _await_answer(future, request)
+            result = await self._await_answer(future, request)
             payload = self._payload(engine, api, parsed, result)
             headers = {"X-Request-Id": request_id}
             if result.catalog_version is not None:   # the catalog its batch ran on (admin.py)
@@ -130,11 +163,40 @@ class XrecService:
             if e.code == "INTERNAL":
                 logger.error("request %s failed: %s", request_id or e.request_id, e.message)
             return error_response(e, request_id)
+        except asyncio.CancelledError:  # the server stops this handler (shutdown)
+            code = Unavailable.code
+            return error_response(Unavailable("server is shutting down; the request was not "
+                                              "finished"), request_id)
         except Exception as e:  # a server bug: answer it, keep serving
             logger.exception("request %s failed", request_id)
             return error_response(Internal(f"{type(e).__name__}: {e}"), request_id)
         finally:
             self.metrics.on_finished(api, code, time.perf_counter() - started)
+
+    async def _await_answer(self, future: Future, request: Request) -> Any:
+        """The engine's answer; cancel the request if the client goes away first, or
+        answer UNAVAILABLE if the drain abandons it."""
+        waiter = asyncio.wrap_future(future)
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        self._waiters.add(waiter)
+        try:
+            done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the server is stopping this handler
+            future.cancel()
+            raise
+        finally:
+            watcher.cancel()
+            self._waiters.discard(waiter)
+        if waiter not in done:
+            future.cancel()  # still waiting: the scheduler drops it; running: the answer is dropped
+            waiter.cancel()
+            raise Cancelled("client disconnected before the answer")
+        if waiter.cancelled():
+            if self.is_abandoned:
+                raise Unavailable("server shut down before the answer was ready (the drain's "
+                                  "grace period passed)")
+            raise Cancelled("request was cancelled")
+        return waiter.result()  # raises the engine's XrecError
 
     def _payload(self, engine: Any, api: str, parsed: Any, result: Any) -> dict:
         """The answer's JSON object in the route's shape."""
@@ -173,8 +235,9 @@ class XrecService:
         """Parse, check (prompts are tokenized here) and submit: (parsed body, request id,
         the engine's future, input length)."""
         schema, convert = REQUEST_SHAPES[api]
+        schemas.check_value_count(body, self.max_json_values)
         parsed = schemas.parse_body(body, schema)
-        request_id = parsed.request_id if parsed.request_id is not None else uuid.uuid4().hex
+        request_id = schemas.request_id_of(parsed)
         try:
             self._check_model(parsed.model)
             valid = engine.validate(convert(parsed, request_id))
@@ -187,26 +250,6 @@ class XrecService:
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise NotFound(f"model: got {name!r}, this server serves {self.model_name!r}")
-
-
-async def _await_answer(future: Future, request: Request) -> Any:
-    """The engine's answer; cancel the request if the client goes away first."""
-    waiter = asyncio.wrap_future(future)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:  # the server is stopping this handler
-        future.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if waiter not in done:
-        future.cancel()  # still waiting: the scheduler drops it; running: the answer is dropped
-        waiter.cancel()
-        raise Cancelled("client disconnected before the answer")
-    if waiter.cancelled():
-        raise Cancelled("request was cancelled")
-    return waiter.result()  # raises the engine's XrecError
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -279,6 +322,20 @@ class _Gate:
             service.num_in_flight -= 1
 
 
+def _checked_key(api_key: str | None) -> bytes | None:
+    """The API key as bytes; an empty key (which would turn auth off) or one that cannot
+    be sent in a header is refused."""
+    if api_key is None:
+        return None
+    if not api_key:
+        raise ValueError("api key: got an empty string; give a non-empty key, or none at all "
+                         "to serve without auth")
+    if not all("!" <= c <= "~" for c in api_key):
+        raise ValueError("api key: expected visible ASCII characters (0x21-0x7E), the form a "
+                         "Bearer token takes in a header")
+    return api_key.encode()
+
+
 def _is_authorized(scope: dict, key: bytes) -> bool:
     for name, value in scope["headers"]:
         if name == b"authorization":
@@ -288,8 +345,9 @@ def _is_authorized(scope: dict, key: bytes) -> bool:
 
 
 def create_app(engine: Any, *, served_model_name: str | None = None, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The HTTP app for `engine` (None: loading until `app.state.xrec.attach(engine)`)."""
+               max_body_bytes: int | None = None) -> FastAPI:
+    """The HTTP app for `engine` (None: loading until `app.state.xrec.attach(engine)`).
+    `max_body_bytes`: None derives the limit from the engine (the largest valid request)."""
     service = XrecService(engine, served_model_name, api_key, max_body_bytes)
     app = FastAPI(title="xrec", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.xrec = service

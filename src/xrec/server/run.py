@@ -1,16 +1,21 @@
 """`xrec serve`: load the engine, serve the app with uvicorn, drain on SIGTERM / SIGINT.
 
-Start-up: the listening socket opens first and `/health` answers 503 while
-the model loads on a background thread; then the options, the model size,
-the workspace per pipeline and the URL are logged (logger `xrec.server`, at
-INFO, shown without `-v`) and `/health` turns 200.
+Start-up: the options are checked (an empty API key is refused: it would turn
+auth off), the listening socket is bound (a busy port is one error line and exit
+1, before anything loads), `/health` answers 503 while the model loads on a
+background thread; then the options, the model size, the workspace per pipeline
+and the URL are logged (logger `xrec.server`, at INFO, shown without `-v`) and
+`/health` turns 200. Connections are served by `xrec.server.limits`'s protocol
+(head size, read deadlines, idle timeout, connection cap).
 
 Shutdown on the first SIGTERM or SIGINT: `/health` turns 503 and new
 requests get 503 UNAVAILABLE at once; `engine.close(grace_s)` lets queued
 and running requests finish (what still waits after `grace_s` is answered
-UNAVAILABLE); once every HTTP request in flight has been answered (bounded
-wait), uvicorn stops and the process exits 0. Later signals are logged and
-ignored: the drain is bounded by the grace period, never killed mid-batch.
+UNAVAILABLE, and so is a request whose batch is still running then: the
+batch finishes, its answer is dropped); once every HTTP request in flight has
+been answered (bounded wait), uvicorn stops and the process exits 0. Later
+signals are ignored until the process has exited: the drain is bounded by the
+grace period, never killed mid-batch.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import resource
+import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -26,10 +34,13 @@ from typing import Any
 import uvicorn
 
 from xrec.server.app import XrecService, create_app
+from xrec.server.limits import ConnectionLimits, protocol_class
 
 logger = logging.getLogger("xrec.server")
 
 HTTP_TAIL_S = 10.0   # after the engine drained: how long answers may take to be written
+BACKLOG = 2048
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class DrainingServer(uvicorn.Server):
@@ -56,6 +67,7 @@ class DrainingServer(uvicorn.Server):
             engine = self.service.engine
             if engine is not None:
                 engine.close(self.grace_s)
+            self.service.abandon_unfinished()  # the grace period is over
             deadline = time.monotonic() + HTTP_TAIL_S
             while self.service.num_in_flight > 0 and time.monotonic() < deadline:
                 time.sleep(0.02)  # bounded: the answers are being written
@@ -66,24 +78,72 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def serve(args: argparse.Namespace, model_dir: str, engine_options: dict[str, Any]) -> int:
-    """Run the server until a signal drains it; 0 after a clean drain, 1 if loading failed."""
-    from xrec import Engine
+def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    """The `--max-header-bytes ...` flags (unset ones keep the defaults)."""
+    names = ("max_header_bytes", "header_timeout_s", "body_timeout_s", "keep_alive_s",
+             "max_connections")
+    try:
+        return ConnectionLimits(**{n: getattr(args, n) for n in names
+                                   if getattr(args, n, None) is not None})
+    except ValueError as e:
+        raise ValueError(f"--{str(e).replace('_', '-')}") from None
 
+
+def server_config(app: Any, limits: ConnectionLimits, verbose: bool = False,
+                  **options: Any) -> uvicorn.Config:
+    """uvicorn's settings for `app` behind `limits` (`xrec serve`'s, also used by tests)."""
+    registry = app.state.xrec.metrics.registry
+    return uvicorn.Config(app, http=protocol_class(limits, registry),
+                          timeout_keep_alive=limits.keep_alive_s,
+                          log_level="info" if verbose else "warning", access_log=False,
+                          lifespan="off", timeout_graceful_shutdown=max(1, int(HTTP_TAIL_S)),
+                          **options)
+
+
+def serve(args: argparse.Namespace, model_dir: str, engine_options: dict[str, Any],
+          restore_signals: bool = True) -> int:
+    """Run the server until a signal drains it; 0 after a clean drain, 1 if loading failed.
+    `restore_signals=False` (the `xrec serve` process): SIGTERM / SIGINT stay ignored
+    after the drain, until the process has exited."""
     if logger.getEffectiveLevel() > logging.INFO:
         logger.setLevel(logging.INFO)  # the start-up lines show without -v
-    api_key = args.api_key or os.environ.get("XREC_API_KEY") or None
+    api_key = args.api_key if args.api_key is not None else os.environ.get("XREC_API_KEY")
     name = args.served_model_name or Path(model_dir).resolve().name
-    app = create_app(None, served_model_name=name, api_key=api_key,
-                     max_body_bytes=args.max_body_bytes)
+    try:
+        app = create_app(None, served_model_name=name, api_key=api_key,
+                         max_body_bytes=args.max_body_bytes)
+    except ValueError as e:
+        if api_key is not None and str(e).startswith("api key"):
+            raise ValueError(f"--api-key / XREC_API_KEY: {str(e)[len('api key: '):]}") from None
+        raise
     service: XrecService = app.state.xrec
     if args.grace_s < 0:
         raise ValueError(f"--grace-s: got {args.grace_s}, expected >= 0")
-    config = uvicorn.Config(app, host=args.host, port=args.port,
-                            log_level="info" if getattr(args, "verbose", False) else "warning",
-                            access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=max(1, int(HTTP_TAIL_S)))
+    limits = connection_limits(args)
+    _reserve_file_descriptors(limits.max_connections)
+    sock = listen(args.host, args.port)
+    config = server_config(app, limits, getattr(args, "verbose", False))
     server = DrainingServer(config, service, args.grace_s)
+    previous = _install_signal_handlers(server.handle_exit)
+    try:
+        return _run(server, sock, args, model_dir, engine_options, name, api_key)
+    finally:
+        sock.close()
+        if previous is not None:
+            if restore_signals:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+            else:
+                for sig in SIGNALS:
+                    signal.signal(sig, signal.SIG_IGN)
+
+
+def _run(server: DrainingServer, sock: socket.socket, args: argparse.Namespace, model_dir: str,
+         engine_options: dict[str, Any], name: str, api_key: str | None) -> int:
+    """Load the engine on a thread while `server` serves `sock`; until the drain ends."""
+    from xrec import Engine
+
+    service = server.service
     failure: list[BaseException] = []
 
     def load() -> None:
@@ -100,12 +160,12 @@ def serve(args: argparse.Namespace, model_dir: str, engine_options: dict[str, An
         deadline = time.monotonic() + 10.0
         while not server.started and time.monotonic() < deadline and not server.should_exit:
             time.sleep(0.01)  # bounded: the socket is normally open long before the model
-        _log_start(engine, name, args.host, _bound_port(server, args.port), api_key is not None,
-                   args.max_body_bytes)
+        _log_start(engine, name, args.host, sock.getsockname()[1], api_key is not None,
+                   service.max_body_bytes, server.config.http.limits)
 
     loader = threading.Thread(target=load, name="xrec-load", daemon=True)
     loader.start()
-    server.run()
+    server.run(sockets=[sock])
     loader.join(timeout=1.0)
     if server.drain_thread is not None:
         server.drain_thread.join(timeout=max(1.0, 3 * args.grace_s))
@@ -120,15 +180,52 @@ def serve(args: argparse.Namespace, model_dir: str, engine_options: dict[str, An
     return 0
 
 
-def _bound_port(server: uvicorn.Server, default: int) -> int:
-    for listener in getattr(server, "servers", None) or []:
-        for sock in listener.sockets:
-            return sock.getsockname()[1]
-    return default
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on `host:port`; OSError naming both when it cannot be had."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP,
+            flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise OSError(f"--host {host}: cannot be resolved ({e.strerror})") from None
+    # proto=IPPROTO_TCP, or asyncio leaves Nagle on (40 ms delayed-ACK stalls per answer)
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(address)
+        sock.listen(BACKLOG)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def _install_signal_handlers(handler: Any) -> dict | None:
+    """SIGTERM / SIGINT -> `handler` from now on (also before uvicorn installs its own and
+    after it restores them); the previous handlers, or None off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return {sig: signal.signal(sig, handler) for sig in SIGNALS}
+
+
+def _reserve_file_descriptors(max_connections: int) -> None:
+    """Raise the soft open-file limit to what `max_connections` may need (each open
+    connection and each lingering refused one holds a descriptor), up to the hard limit."""
+    needed = 2 * max_connections + 256
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        if target < needed:
+            logger.warning("open-file limit %d is below the %d that --max-connections %d may "
+                           "need; raise the hard limit (ulimit -Hn) or lower --max-connections",
+                           target, needed, max_connections)
 
 
 def _log_start(engine: Any, name: str, host: str, port: int, has_key: bool,
-               max_body_bytes: int) -> None:
+               max_body_bytes: int, limits: ConnectionLimits) -> None:
     config = engine.model.config
     num_params = sum(p.numel() for p in engine.model.parameters())
     num_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
@@ -140,5 +237,8 @@ def _log_start(engine: Any, name: str, host: str, port: int, has_key: bool,
                 engine.workspace_per_pipeline / 2**20)
     logger.info("xrec serve: options %s", engine.options)
     display = f"[{host}]" if ":" in host else host
-    logger.info("xrec serve: listening on http://%s:%d (auth %s, body limit %d bytes); "
-                "SIGTERM drains", display, port, "on" if has_key else "off", max_body_bytes)
+    logger.info("xrec serve: listening on http://%s:%d (auth %s, body limit %d bytes, header "
+                "limit %d bytes, header / body / keep-alive timeouts %g / %g / %g s, at most %d "
+                "connections); SIGTERM drains", display, port, "on" if has_key else "off",
+                max_body_bytes, limits.max_header_bytes, limits.header_timeout_s,
+                limits.body_timeout_s, limits.keep_alive_s, limits.max_connections)

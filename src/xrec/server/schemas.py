@@ -21,6 +21,16 @@ Decisions where `spec/serving.md` is silent:
 - A JSON number must be a number: `"NaN"` (a string) is a schema error (422);
   the non-standard literals `NaN` / `Infinity` and overflowing numbers such as
   `1e999` parse and are refused by the engine (400).
+- `request_id`: 1 to 256 visible ASCII characters (0x21-0x7E), as it is echoed in the
+  `X-Request-Id` header; anything else is 400 and the id is not repeated (the answer
+  carries a fresh one).
+- Embedding shapes: each dimension an integer in [0, 2**24] (400 otherwise, before any
+  array is made).
+- Memory at parsing: pydantic holds ~80 bytes per JSON value while it parses (40x a
+  body of `0,0,0,...`), so a body is refused 413 before parsing when it holds more
+  values (commas) than the largest valid request for the served model
+  (`max_json_values`). The default body limit is that request's size at 32 bytes a
+  value (`max_body_bytes`): 26 MiB for onerec-0.015b (L = 4096, d_model = 128).
 - Native embeddings: `{"shape": [L, D], "data": [L*D floats, row-major]}` or
   `{"shape": [L, D], "b64": base64 of L*D little-endian float32}`; exactly one
   of `data` / `b64`.
@@ -51,16 +61,23 @@ from __future__ import annotations
 import base64
 import binascii
 import time
+import uuid
 from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from xrec.api_types import RecRequest, RecResponse
-from xrec.errors import InvalidArgument
+from xrec.api_types import RecRequest, RecResponse, SearchLimits
+from xrec.errors import InvalidArgument, PayloadTooLarge
 
 EMBEDDING_NAMES = ("sparse_embedding", "decoder_context_embedding")
 STRICT = ConfigDict(strict=True, extra="forbid")
+MAX_REQUEST_ID_CHARS = 256
+MAX_DIMENSION = 1 << 24
+BYTES_PER_VALUE = 32      # "-2.2250738585072014e-308, " is 26; pretty-printed JSON adds more
+BYTES_PER_TOKEN = 256     # prompt / messages text: a token's characters, JSON-escaped
+VALUES_PER_TOKEN = 16     # commas of a prompt's text per token (counted as JSON values)
+BODY_SLACK_BYTES = 64 << 10
 
 
 class SchemaError(InvalidArgument):
@@ -162,6 +179,51 @@ class XllmRequest(BaseModel):
     offline: Any = None
     slo_ms: Any = None
     priority: Any = None
+
+
+def max_json_values(limits: SearchLimits) -> int:
+    """JSON values (bounded by commas) the largest valid request for `limits` holds: two
+    [max_input_len, d_model] embeddings when the model reads embeddings, else token ids
+    and prompt text; plus a margin for the other fields."""
+    tokens = limits.max_input_len * (1 + VALUES_PER_TOKEN)
+    embeddings = 2 * limits.max_input_len * limits.d_model if limits.accepts_embeddings else 0
+    return max(tokens, embeddings) + 4096
+
+
+def max_body_bytes(limits: SearchLimits) -> int:
+    """The default body limit: the largest valid request for `limits` in bytes."""
+    text = limits.max_input_len * BYTES_PER_TOKEN
+    embeddings = 2 * limits.max_input_len * limits.d_model * BYTES_PER_VALUE \
+        if limits.accepts_embeddings else 0
+    return max(text, embeddings) + BODY_SLACK_BYTES
+
+
+def check_value_count(body: bytes, max_values: int) -> None:
+    """PayloadTooLarge (413) when `body` may hold more than `max_values` JSON values,
+    before parsing (which would hold ~80 bytes per value)."""
+    if len(body) <= max_values:
+        return  # fewer bytes than values allowed: nothing to count
+    num_values = body.count(b",") + 1
+    if num_values > max_values:
+        raise PayloadTooLarge(f"body holds up to {num_values} JSON values (commas); the largest "
+                              f"valid request for this model holds {max_values}")
+
+
+def request_id_of(parsed: Any) -> str:
+    """The client's `request_id` when it is valid (1 to 256 visible ASCII characters),
+    else a fresh one; InvalidArgument (400) for an invalid one, without repeating it."""
+    rid = parsed.request_id
+    if rid is None:
+        return uuid.uuid4().hex
+    if not rid or len(rid) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument(f"request_id: got {len(rid)} characters, expected 1 to "
+                              f"{MAX_REQUEST_ID_CHARS}")
+    if not (rid.isascii() and rid.isprintable() and " " not in rid):
+        position, char = next((i, c) for i, c in enumerate(rid)
+                              if not ("!" <= c <= "~"))
+        raise InvalidArgument(f"request_id: character U+{ord(char):04X} at position {position} "
+                              "is not allowed; allowed: visible ASCII (0x21-0x7E)")
+    return rid
 
 
 def parse_body(body: bytes, schema: type[BaseModel]) -> Any:
@@ -271,9 +333,10 @@ def _from_floats(name: str, shape: list[int], values: list[float], field: str) -
 
 
 def _shape(name: str, shape: list[int]) -> tuple[int, int]:
-    if len(shape) != 2 or min(shape) < 0:
-        raise InvalidArgument(f"{name}.shape: got {shape}, expected [length, d_model] "
-                              "(two non-negative integers)")
+    if len(shape) != 2 or not all(0 <= d <= MAX_DIMENSION for d in shape):
+        got = shape if len(shape) <= 4 else f"a list of {len(shape)} integers"
+        raise InvalidArgument(f"{name}.shape: got {got}, expected [length, d_model] "
+                              f"(two integers in [0, {MAX_DIMENSION}])")
     return shape[0], shape[1]
 
 

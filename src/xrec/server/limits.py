@@ -1,0 +1,226 @@
+"""Connection limits: head size, read deadlines, an idle timeout and a cap on connections.
+
+uvicorn's httptools protocol reads headers without a size bound (httptools joins a
+header value in memory until it ends: a 1 GiB header took 1.9 GB and minutes of CPU),
+never closes a connection that has not sent a request yet, and has no read deadline
+for a head or a body. `LimitedProtocol` is that protocol with these added, before any
+byte reaches the app (so before auth):
+
+- `max_header_bytes`: the request line and headers of one request together; past it
+  431 and the connection closes. Counted per received chunk while a head is being read,
+  so httptools never holds more than the limit plus one read (256 KiB).
+- `header_timeout_s`: from a request's first byte until its head is complete; past it
+  408 (slow-header clients).
+- `body_timeout_s`: from the end of the head until the body is complete; past it 408
+  (slow-body clients). Not counted while the server itself holds the reading back
+  (flow control, a pipelined request waiting its turn).
+- `keep_alive_s`: a connection with no request in progress is closed after this long,
+  also before its first request (uvicorn arms it only after a response).
+- `max_connections`: open connections; the next one is answered 503 and closed at once,
+  before it can hold a file descriptor for long.
+
+A refusal is the app's JSON error shape (`{"error": {"code", "message", "request_id"}}`,
+with `X-Request-Id`) and `Connection: close`. The connection then lingers: its write
+side is shut, what the client still sends is read and dropped for up to `LINGER_S`,
+then it closes. Closing at once with unread bytes would send a reset, which makes the
+client's kernel drop the refusal before the client reads it. At most `max_connections`
+refused connections linger at a time; beyond that they close at once.
+
+The HTTP codes carry the nearest code of `xrec.errors`: 431 PAYLOAD_TOO_LARGE, 408
+DEADLINE_EXCEEDED, 503 UNAVAILABLE (with `Retry-After: 1`). `refusals` counts them by
+reason (`xrec_http_refusals_total`) when the server is built with a registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+LINGER_S = 1.0
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """Limits of one server's connections (see the module docstring); CLI flags of the
+    same names (`xrec serve --max-header-bytes ...`)."""
+
+    max_header_bytes: int = 16 << 10
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    keep_alive_s: float = 5.0
+    max_connections: int = 1024
+
+    def __post_init__(self) -> None:
+        for name, low in (("max_header_bytes", 1024), ("max_connections", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name}: got {value!r}, expected an integer >= {low}")
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"{name}: got {value!r}, expected a number of seconds > 0")
+
+
+class _Shared:
+    """What the connections of one server share: refused connections lingering now, and
+    the refusal counter."""
+
+    def __init__(self, refusals: Any):
+        self.num_lingering = 0
+        self.refusals = refusals
+
+
+def protocol_class(limits: ConnectionLimits, registry: Any = None) -> type[LimitedProtocol]:
+    """A protocol class for `uvicorn.Config(http=...)` that enforces `limits`; refusals
+    are counted on `registry` (a prometheus_client CollectorRegistry) when given."""
+    refusals = None
+    if registry is not None:
+        from prometheus_client import Counter
+        refusals = Counter("xrec_http_refusals", "Connections refused or closed by a limit, "
+                           "by reason", ["reason"], registry=registry)
+    return type("LimitedProtocol", (LimitedProtocol,), {"limits": limits,
+                                                         "shared": _Shared(refusals)})
+
+
+class LimitedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with `ConnectionLimits` (module docstring)."""
+
+    limits = ConnectionLimits()
+    shared = _Shared(None)
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.timeout_keep_alive = self.limits.keep_alive_s
+        self._is_reading_head = True   # the bytes coming in belong to a request head
+        self._head_bytes = 0           # received since that head began
+        self._deadline: asyncio.TimerHandle | None = None   # head or body deadline
+        self._is_refused = False       # refused and lingering: input is dropped
+
+    # ---- connection ------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if len(self.connections) >= self.limits.max_connections:
+            self.transport = transport
+            self._refuse(503, "UNAVAILABLE", f"the server holds its limit of "
+                         f"{self.limits.max_connections} open connections; retry shortly",
+                         "max_connections")
+            return
+        super().connection_made(transport)
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.limits.keep_alive_s, self.timeout_keep_alive_handler)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_deadline()
+        if self._is_refused:
+            self.shared.num_lingering -= 1
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._is_refused:
+            return
+        if self._is_reading_head:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if (self._is_reading_head and self._head_bytes > self.limits.max_header_bytes
+                and not self._is_refused and not self.transport.is_closing()):
+            self._refuse(431, "PAYLOAD_TOO_LARGE", f"request line and headers are over the "
+                         f"limit of {self.limits.max_header_bytes} bytes", "max_header_bytes")
+
+    def eof_received(self) -> bool | None:
+        return None  # the transport closes itself (also ends a lingering refusal early)
+
+    # ---- parser callbacks ------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._is_reading_head = True
+        self._arm(self.limits.header_timeout_s, self._head_timed_out)
+
+    def on_headers_complete(self) -> None:
+        self._is_reading_head = False
+        self._head_bytes = 0
+        super().on_headers_complete()
+        self._arm(self.limits.body_timeout_s, self._body_timed_out)
+
+    def on_message_complete(self) -> None:
+        self._cancel_deadline()
+        self._is_reading_head = True
+        super().on_message_complete()
+
+    # ---- deadlines --------------------------------------------------------------------
+
+    def _arm(self, seconds: float, callback: Any) -> None:
+        self._cancel_deadline()
+        self._deadline = self.loop.call_later(seconds, callback)
+
+    def _cancel_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _head_timed_out(self) -> None:
+        self._deadline = None
+        if self._is_reading_head and not self.transport.is_closing():
+            self._refuse(408, "DEADLINE_EXCEEDED", f"request head not received within "
+                         f"{self.limits.header_timeout_s:g} s", "header_timeout")
+
+    def _body_timed_out(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        if self.flow.read_paused or self.pipeline:  # the server holds the reading back
+            self._arm(self.limits.body_timeout_s, self._body_timed_out)
+            return
+        cycle = self.cycle
+        if cycle is not None and (cycle.response_started or cycle.disconnected):
+            self._count("body_timeout")
+            self.transport.close()  # answered already (e.g. 413): nothing more to say
+            return
+        self._refuse(408, "DEADLINE_EXCEEDED", f"request body not received within "
+                     f"{self.limits.body_timeout_s:g} s", "body_timeout")
+
+    # ---- refusal ----------------------------------------------------------------------
+
+    def _refuse(self, status: int, code: str, message: str, reason: str) -> None:
+        """Answer `status` with the JSON error shape, then linger and close."""
+        self._count(reason)
+        self._cancel_deadline()
+        self._unset_keepalive_if_required()
+        self._is_refused = True
+        self.shared.num_lingering += 1
+        cycle = self.cycle
+        if cycle is not None:  # the app may be reading this request: it sees a disconnect
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self.transport.write(_error_bytes(status, code, message, self.server_state.default_headers))
+        if self.shared.num_lingering > self.limits.max_connections or not \
+                self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        if self.flow is not None:
+            self.flow.resume_reading()
+        self._deadline = self.loop.call_later(LINGER_S, self.transport.close)
+
+    def _count(self, reason: str) -> None:
+        if self.shared.refusals is not None:
+            self.shared.refusals.labels(reason).inc()
+
+
+def _error_bytes(status: int, code: str, message: str,
+                 default_headers: list[tuple[bytes, bytes]]) -> bytes:
+    request_id = uuid.uuid4().hex
+    body = json.dumps({"error": {"code": code, "message": message,
+                                 "request_id": request_id}}).encode()
+    headers = [*default_headers, (b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode()), (b"connection", b"close"),
+               (b"x-request-id", request_id.encode())]
+    if status == 503:
+        headers.append((b"retry-after", b"1"))
+    return b"".join([STATUS_LINE[status], *(b"%s: %s\r\n" % pair for pair in headers),
+                     b"\r\n", body])
