@@ -1,0 +1,389 @@
+"""Catalog hot reload (issue 12): `Engine.load_catalog` / `restore_catalog` and the admin routes.
+
+Real engines, real files, a real uvicorn server on 127.0.0.1 (test_server's `ServerThread`).
+Batches are held in flight with the executor's fault hook (events, never sleeps); every
+wait is bounded. Each catalog here has its own item ids, so an answer's items tell which
+catalog they came from, and its `catalog_version` / `X-Catalog-Version` must name that one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections import Counter
+
+import numpy as np
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from test_server import ServerThread, wait_until  # noqa: E402
+
+from xrec import Engine, InvalidArgument, NotFound, RecRequest, Unavailable  # noqa: E402
+from xrec.catalog import ItemCatalog, random_catalog  # noqa: E402
+from xrec.demo import write_random_model  # noqa: E402
+from xrec.server.app import create_app  # noqa: E402
+
+VOCAB = 64                   # the "tiny" model's vocabulary
+WAIT_S = 60.0
+API_KEY = "reload-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def catalog_of(seed: int, num_items: int = 400) -> ItemCatalog:
+    """A catalog whose item ids are its own: seed * 10**6 + 1 ... (no two seeds share one)."""
+    triples = random_catalog(num_items, VOCAB, seed=seed).triples
+    return ItemCatalog.from_arrays(seed * 10**6 + np.arange(1, num_items + 1), triples, VOCAB)
+
+
+def write(catalog: ItemCatalog, path) -> str:
+    catalog.write(path)
+    return str(path)
+
+
+class HoldBatches:
+    """Executor fault hook: a batch whose request ids start with "hold" waits for `release`."""
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, batch) -> None:
+        if any(r.request_id.startswith("hold") for r in batch):
+            self.entered.set()
+            assert self.release.wait(WAIT_S)
+
+
+def items_match(catalog: ItemCatalog, response) -> bool:
+    """Every result is a triple of `catalog` and its items are that triple's items there."""
+    for result in response.results:
+        rows, = catalog.convert([result.tokens], each_conversion_threshold=10**6,
+                                total_conversion_threshold=10**6)
+        ids = set(catalog.item_ids[rows].tolist())
+        if not ids or not {item.item_id for item in result.items} <= ids:
+            return False
+    return True
+
+
+def answer(engine: Engine, **kw):
+    future = engine.submit(RecRequest(token_ids=[1, 2, 3], beam_width=4, **kw))
+    return future.result(timeout=WAIT_S)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_random_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", seed=0,
+                              num_items=500)
+
+
+@pytest.fixture
+def engine(model_dir):
+    engine = Engine.from_pretrained(model_dir, device="cpu", max_concurrency=2)
+    engine.executor.fault = gate = HoldBatches()
+    yield engine
+    gate.release.set()
+    engine.close(5)
+
+
+# ---- the Python API ----------------------------------------------------------------
+
+def test_load_swaps_and_every_answer_names_its_catalog(engine, tmp_path):
+    first = engine.catalog_version
+    assert first.num_items == 500 and first.content_hash == engine.catalog.content_hash()
+    assert items_match(engine.catalog, answer(engine))
+    new = catalog_of(1)
+    before = time.time()
+    version = engine.load_catalog(write(new, tmp_path / "one.bin"))
+    assert version == engine.catalog_version and engine.previous_catalog_version == first
+    assert (version.content_hash, version.num_items) == (new.content_hash(), 400)
+    assert version.source == str((tmp_path / "one.bin").resolve()) and version.loaded_at >= before
+    response = answer(engine)
+    assert response.catalog_version == version.content_hash and response.results
+    assert items_match(new, response)
+    # the same content in the text form is the same version
+    new.write_text(tmp_path / "one.txt")
+    assert engine.load_catalog(tmp_path / "one.txt").content_hash == version.content_hash
+
+
+def test_restore_swaps_back_and_forth(engine, tmp_path):
+    with pytest.raises(NotFound, match="no previous catalog"):
+        engine.restore_catalog()
+    first = engine.catalog_version
+    second = engine.load_catalog(catalog_of(2))          # an ItemCatalog is loaded as it is
+    assert second.source is None
+    assert engine.restore_catalog() == first and engine.previous_catalog_version == second
+    assert answer(engine).catalog_version == first.content_hash
+    assert engine.restore_catalog() == second and engine.previous_catalog_version == first
+    assert items_match(catalog_of(2), answer(engine))
+
+
+def bad_catalogs(tmp_path):
+    """(name, path, extended, words in the error) for files that must be refused."""
+    good = catalog_of(3)
+    out = tmp_path / "out-of-vocab.txt"
+    out.write_text(f"5,1,2,3\n6,1,{VOCAB},3\n")
+    truncated = tmp_path / "truncated.bin"
+    write(good, tmp_path / "good.bin")
+    truncated.write_bytes((tmp_path / "good.bin").read_bytes()[:-7])
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    garbage = tmp_path / "garbage.csv"
+    garbage.write_text("item,t0,t1,t2\n")
+    return [("missing", tmp_path / "nope.bin", None, ["nope.bin"]),
+            ("directory", tmp_path, None, [str(tmp_path)]),
+            ("out-of-vocab", out, None, [str(VOCAB)]),
+            ("truncated", truncated, None, ["partial record"]),
+            ("empty", empty, None, ["no items"]),
+            ("garbage", garbage, None, ["garbage.csv"]),
+            ("not-extended", tmp_path / "good.bin", True, ["good.bin"])]
+
+
+def test_bad_catalogs_are_refused_and_the_current_keeps_serving(engine, tmp_path):
+    current = engine.load_catalog(catalog_of(4))
+    for name, path, extended, words in bad_catalogs(tmp_path):
+        with pytest.raises(InvalidArgument) as info:
+            engine.load_catalog(path, extended=extended)
+        for word in words:
+            assert word in info.value.message, (name, info.value.message)
+        assert engine.catalog_version == current, name
+        response = answer(engine)
+        assert response.catalog_version == current.content_hash and items_match(catalog_of(4), response)
+    # the load let go of the previous version before reading the file (two catalogs at most)
+    assert engine.previous_catalog_version is None
+    for value in (None, 5, ""):
+        with pytest.raises(InvalidArgument, match="catalog"):
+            engine.load_catalog(value)
+    with pytest.raises(InvalidArgument, match="extended"):
+        engine.load_catalog(tmp_path / "good.bin", extended="yes")
+
+
+def test_a_batch_in_flight_finishes_on_the_catalog_it_started_with(engine):
+    gate = engine.executor.fault
+    old_catalog, old_version = engine.catalog, engine.catalog_version
+    held = engine.submit(RecRequest(token_ids=[4, 5], beam_width=8, request_id="hold-1"))
+    assert gate.entered.wait(WAIT_S)
+    new_version = engine.load_catalog(catalog_of(5))      # while the batch runs
+    after = answer(engine, request_id="after")            # the other pipeline, new catalog
+    gate.release.set()
+    response = held.result(timeout=WAIT_S)
+    assert response.catalog_version == old_version.content_hash and response.results
+    assert items_match(old_catalog, response)
+    assert after.catalog_version == new_version.content_hash and items_match(catalog_of(5), after)
+
+
+def test_two_catalogs_at_most_a_load_waits_for_batches_on_the_previous(engine):
+    """A runs a held batch; B is loaded (A previous); loading C must let A go first, so
+    it waits for A's batch: A, B and C are never all in memory."""
+    gate = engine.executor.fault
+    a_served = weakref.ref(engine._catalogs.current)
+    held = engine.submit(RecRequest(token_ids=[4, 5], beam_width=8, request_id="hold-2"))
+    assert gate.entered.wait(WAIT_S)
+    b = engine.load_catalog(catalog_of(6))
+    loaded = []
+    loader = threading.Thread(target=lambda: loaded.append(engine.load_catalog(catalog_of(7))))
+    loader.start()
+    assert wait_until(lambda: engine.previous_catalog_version is None, WAIT_S)   # A let go...
+    loader.join(0.2)
+    assert not loaded and a_served() is not None      # ...but the held batch still runs on it
+    assert engine.catalog_version == b
+    gate.release.set()
+    loader.join(WAIT_S)
+    assert loaded and a_served() is None
+    assert held.result(timeout=WAIT_S).results
+    assert engine.previous_catalog_version == b and engine.catalog_version == loaded[0]
+
+
+def test_a_load_gives_up_when_the_previous_catalog_stays_busy(engine):
+    gate = engine.executor.fault
+    held = engine.submit(RecRequest(token_ids=[4, 5], beam_width=8, request_id="hold-3"))
+    assert gate.entered.wait(WAIT_S)
+    b = engine.load_catalog(catalog_of(8))
+    engine._catalogs.release_wait_s = 0.05
+    with pytest.raises(Unavailable, match="still running"):
+        engine.load_catalog(catalog_of(9))
+    assert engine.catalog_version == b
+    gate.release.set()
+    assert held.result(timeout=WAIT_S).results
+    assert engine.load_catalog(catalog_of(9)).num_items == 400
+
+
+def test_unconstrained_engine_uses_a_loaded_catalog_for_items_only(model_dir):
+    with Engine.from_pretrained(model_dir, device="cpu", constrained=False) as engine:
+        assert engine.step.tables is None
+        found = [r.tokens for r in answer(engine).results]          # free decoding's triples
+        catalog = ItemCatalog.from_arrays(np.arange(len(found)) + 7 * 10**6, found, VOCAB)
+        engine.load_catalog(catalog)
+        assert engine.step.tables is None                            # still free decoding
+        response = answer(engine)
+        assert response.catalog_version == catalog.content_hash()
+        assert [r.tokens for r in response.results] == found
+        assert [[i.item_id for i in r.items] for r in response.results] == \
+            [[7 * 10**6 + i] for i in range(len(found))]
+
+
+def test_extended_catalog_reload(engine, tmp_path):
+    base = catalog_of(11)
+    extended = ItemCatalog.from_arrays(base.item_ids, base.triples, VOCAB,
+                                       dids=[f"d{i}" for i in base.item_ids],
+                                       types=["video"] * base.num_items)
+    version = engine.load_catalog(write(extended, tmp_path / "ext.bin"), extended=True)
+    assert version.is_extended and version.content_hash != base.content_hash()
+    items = [item for r in answer(engine).results for item in r.items]
+    assert items and all(item.did == f"d{item.item_id}" and item.type == "video" for item in items)
+
+
+def test_decoder_only_catalog_tokens_are_checked_against_the_tokenizer(tmp_path):
+    from xrec.sid_vocab import SidLayout
+
+    directory = write_random_model(tmp_path / "sid", "qwen3-sid-test", seed=1, num_items=50)
+    layout = SidLayout(num_base_tokens=512, codebook_size=16)
+    known = [layout.itemic_id(level, 1) for level in range(3)]
+    unknown = [known[0], layout.num_tokens, known[2]]     # padding: no token string for it
+    with Engine.from_pretrained(directory) as engine:
+        current = engine.catalog_version
+        with pytest.raises(InvalidArgument, match=rf"item 12 has token {layout.num_tokens} .*tokenizer"):
+            engine.load_catalog(ItemCatalog.from_arrays([11, 12], [known, unknown], layout.vocab_size))
+        assert engine.catalog_version == current
+        engine.load_catalog(ItemCatalog.from_arrays([11], [known], layout.vocab_size))
+        result, = engine.recommend([RecRequest(prompt="hello", beam_width=2)])[0].results
+        assert result.items[0].item_id == 11
+
+
+# ---- HTTP --------------------------------------------------------------------------
+
+def metric_samples(client) -> dict:
+    text = client.get("/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_admin_routes(engine, tmp_path):
+    server = ServerThread(create_app(engine, api_key=API_KEY))
+    try:
+        with httpx.Client(base_url=server.url, headers=AUTH, timeout=WAIT_S) as client:
+            for method, path in (("GET", "/v1/admin/catalog"), ("POST", "/v1/admin/catalog"),
+                                 ("POST", "/v1/admin/catalog/restore")):
+                unauthorized = httpx.request(method, server.url + path, json={"path": "x"})
+                assert unauthorized.status_code == 401
+            first = client.get("/v1/admin/catalog").json()
+            assert first["previous"] is None and first["current"]["num_items"] == 500
+            native = client.post("/v1/rec/completions", json={"token_ids": [1, 2], "beam_width": 4})
+            assert native.headers["X-Catalog-Version"] == first["current"]["content_hash"]
+
+            new = catalog_of(12)
+            loaded = client.post("/v1/admin/catalog", json={"path": write(new, tmp_path / "n.bin")})
+            assert loaded.status_code == 200, loaded.text
+            body = loaded.json()
+            assert body["current"]["content_hash"] == new.content_hash() == client.get(
+                "/v1/admin/catalog").json()["current"]["content_hash"]
+            assert body["previous"] == first["current"]
+            xllm = client.post("/v1/completions", json={"token_ids": [1, 2], "beam_width": 4})
+            assert xllm.headers["X-Catalog-Version"] == new.content_hash()
+            items = {int(i) for i in xllm.json()["output_tensors"][0]["contents"]["int64_contents"]}
+            assert items - {-1} <= set(new.item_ids.tolist())
+            samples = metric_samples(client)
+            assert samples[("xrec_catalog_info", (("content_hash", new.content_hash()),
+                                                  ("source", str((tmp_path / "n.bin").resolve()))))] == 1
+            assert samples[("xrec_catalog_items", ())] == 400
+            assert samples[("xrec_catalog_changes_total", (("action", "load"), ("code", "OK")))] == 1
+
+            refused = client.post("/v1/admin/catalog", json={"path": str(tmp_path / "none.bin")})
+            assert refused.status_code == 400 and refused.json()["error"]["code"] == "INVALID_ARGUMENT"
+            assert "none.bin" in refused.json()["error"]["message"]
+            for body_bytes in (b"{", b'{"path": 5}', b'{"path": "x", "bogus": 1}', b"{}"):
+                bad = client.post("/v1/admin/catalog", content=body_bytes)
+                assert bad.status_code in (400, 422) and bad.json()["error"]["code"] == "INVALID_ARGUMENT"
+            restore = client.post("/v1/admin/catalog/restore")   # the refused load let the previous go
+            assert restore.status_code == 404 and restore.json()["error"]["code"] == "NOT_FOUND"
+            assert client.get("/v1/admin/catalog").json()["current"]["content_hash"] == new.content_hash()
+            samples = metric_samples(client)
+            assert samples[("xrec_catalog_changes_total",
+                            (("action", "load"), ("code", "INVALID_ARGUMENT")))] == 5
+            assert samples[("xrec_catalog_changes_total",
+                            (("action", "restore"), ("code", "NOT_FOUND")))] == 1
+
+            client.post("/v1/admin/catalog", json={"path": write(catalog_of(13), tmp_path / "m.bin")})
+            restored = client.post("/v1/admin/catalog/restore").json()
+            assert restored["current"]["content_hash"] == new.content_hash()
+            assert restored["previous"]["content_hash"] == catalog_of(13).content_hash()
+    finally:
+        server.stop()
+
+
+def test_hot_reload_under_load(model_dir, tmp_path):
+    """32 clients while the catalog changes 10 times (3 bad files among them, and a restore):
+    every answer is 200, names a catalog that was loaded, and its tokens and items are that
+    catalog's; no request is lost."""
+    catalogs = {}
+    files = []
+    for step in range(10):
+        if step in (2, 5, 8):
+            bad = tmp_path / f"bad-{step}.bin"
+            bad.write_bytes(b"\x01" * (20 * step + 3))
+            files.append(str(bad))
+        else:
+            catalog = catalog_of(20 + step, num_items=200 + 30 * step)
+            catalogs[catalog.content_hash()] = catalog
+            files.append(write(catalog, tmp_path / f"good-{step}.bin"))
+    engine = Engine.from_pretrained(model_dir, device="cpu", max_concurrency=2, max_seqs_per_batch=8)
+    catalogs[engine.catalog_version.content_hash] = engine.catalog
+    server = ServerThread(create_app(engine))
+    stop = threading.Event()
+    answers: list = []
+    sent = Counter()
+
+    def client_loop(index: int) -> None:
+        with httpx.Client(base_url=server.url, timeout=WAIT_S) as client:
+            number = 0
+            while not stop.is_set():
+                rid = f"c{index}-{number}"
+                body = {"token_ids": [(index + number) % VOCAB, 7, 9], "beam_width": 4 + index % 5,
+                        "request_id": rid}
+                sent[index] += 1
+                try:
+                    response = client.post("/v1/rec/completions", json=body)
+                    answers.append((rid, response.status_code, response.headers.get("X-Catalog-Version"),
+                                    response.json()))
+                except httpx.HTTPError as exc:
+                    answers.append((rid, None, None, repr(exc)))
+                number += 1
+
+    threads = [threading.Thread(target=client_loop, args=(i,), daemon=True) for i in range(32)]
+    try:
+        for thread in threads:
+            thread.start()
+        outcomes = []
+        with httpx.Client(base_url=server.url, timeout=WAIT_S) as admin:
+            for step, path in enumerate(files):
+                seen = len(answers)
+                assert wait_until(lambda: len(answers) >= seen + 32, WAIT_S), "clients stalled"
+                outcomes.append(admin.post("/v1/admin/catalog", json={"path": path}).status_code)
+                if step == 6:
+                    assert admin.post("/v1/admin/catalog/restore").status_code == 200
+            seen = len(answers)
+            assert wait_until(lambda: len(answers) >= seen + 32, WAIT_S), "clients stalled"
+        stop.set()
+        for thread in threads:
+            thread.join(WAIT_S)
+        assert not any(thread.is_alive() for thread in threads)
+    finally:
+        stop.set()
+        server.stop()
+        engine.close(5)
+    assert outcomes == [400 if step in (2, 5, 8) else 200 for step in range(10)]
+    assert len(answers) == sum(sent.values())                        # nothing lost
+    failed = [a for a in answers if a[1] != 200]
+    assert not failed, failed[:3]
+    versions = Counter(version for _, _, version, _ in answers)
+    assert set(versions) <= set(catalogs) and len(versions) >= 5, versions
+    for rid, _, version, body in answers:
+        assert body["id"] == rid
+        catalog = catalogs[version]
+        for result in body["results"]:
+            rows, = catalog.convert([result["tokens"]], each_conversion_threshold=10**6,
+                                    total_conversion_threshold=10**6)
+            ids = set(catalog.item_ids[rows].tolist())
+            assert ids, (rid, version, result["tokens"])           # a triple of that catalog
+            assert {item["item_id"] for item in result["items"]} <= ids, (rid, version)
