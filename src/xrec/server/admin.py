@@ -55,10 +55,7 @@ def add_catalog_routes(app: FastAPI, service: XrecService) -> None:
 
     @app.get("/v1/admin/catalog")
     async def catalog_versions() -> Response:
-        try:
-            return _versions(service._engine_or_503())
-        except XrecError as e:
-            return error_response(e)
+        return await _change(service, None, None)
 
     @app.post("/v1/admin/catalog")
     async def load_catalog(request: Request) -> Response:
@@ -75,21 +72,25 @@ def add_catalog_routes(app: FastAPI, service: XrecService) -> None:
         return await _change(service, "restore", restore)
 
 
-async def _change(service: XrecService, action: str,
-                  change: Callable[[Any], Awaitable[None]]) -> Response:
-    """Run a load or restore; answer both versions after it, or the error (counted)."""
+async def _change(service: XrecService, action: str | None,
+                  change: Callable[[Any], Awaitable[None]] | None) -> Response:
+    """Run a load or restore (None: only read); answer both versions after it, or the
+    error (a load or restore is counted by outcome)."""
     try:
         engine = service._engine_or_503()
-        await change(engine)
+        if change is not None:
+            await change(engine)
+        answer = _versions(engine)
     except XrecError as e:
-        service.metrics.on_catalog_change(action, e.code)
-        return error_response(e)
+        code, answer = e.code, error_response(e)
     except Exception as e:  # a server bug: answer it, keep serving
-        logger.exception("catalog %s failed", action)
-        service.metrics.on_catalog_change(action, Internal.code)
-        return error_response(Internal(f"{type(e).__name__}: {e}"))
-    service.metrics.on_catalog_change(action, "OK")
-    return _versions(engine)
+        logger.exception("catalog %s failed", action or "read")
+        code, answer = Internal.code, error_response(Internal(f"{type(e).__name__}: {e}"))
+    else:
+        code = "OK"
+    if action is not None:
+        service.metrics.on_catalog_change(action, code)
+    return answer
 
 
 def _versions(engine: Any) -> Response:
