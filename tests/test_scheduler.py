@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from xrec.engine.scheduler import BatchLimits, FixedStepsScheduler, ScheduledRequest
+from xrec.engine.requests import BatchBuilder
 from xrec.errors import (DeadlineExceeded, Internal, ResourceExhausted, Unavailable,
                          XrecError)
 
@@ -331,6 +332,82 @@ def test_request_already_expired_is_never_launched(make_scheduler):
     assert isinstance(expired.future.exception(WAIT_S), DeadlineExceeded)
     assert alive.future.result(WAIT_S) == "alive"
     assert executor.launched_ids() == ["alive"]
+
+
+def test_deadline_reached_exactly_while_waiting_fails_it(make_scheduler):
+    """A waiting request is dead AT its deadline (it cannot be answered by then): the loop
+    wakes for the earliest deadline and drops it at now == deadline, not later."""
+    clock = FakeClock()
+    scheduler, executor = make_scheduler(make_limits(max_seqs_per_batch=1), clock=clock)
+    executor.gate.clear()
+    running = make_request("running")
+    scheduler.submit(running)
+    executor.wait_until(lambda: executor.num_in_flight == 1)
+    expiring = make_request("expiring", deadline=10.0)
+    scheduler.submit(expiring)
+    eventually(lambda: scheduler.num_waiting == 1)
+    clock.now = 10.0
+    assert isinstance(expiring.future.exception(WAIT_S), DeadlineExceeded)
+    executor.gate.set()
+    assert running.future.result(WAIT_S) == "running"
+    assert executor.launched_ids() == ["running"]
+
+
+def test_request_whose_deadline_is_now_is_never_launched(make_scheduler):
+    clock = FakeClock(now=5.0)
+    scheduler, executor = make_scheduler(make_limits(), clock=clock, is_started=False)
+    at_deadline, alive = make_request("at", deadline=5.0), make_request("alive", deadline=5.5)
+    scheduler.submit(at_deadline)
+    scheduler.submit(alive)
+    scheduler.start()
+    assert isinstance(at_deadline.future.exception(WAIT_S), DeadlineExceeded)
+    assert alive.future.result(WAIT_S) == "alive"
+    assert executor.launched_ids() == ["alive"]
+
+
+@pytest.mark.parametrize("num_tokens, beam_width, num_bytes", [
+    (100, 1, 100), (1, 16, 16), (10, 10, 100)])
+def test_a_request_that_fills_a_budget_exactly_fits_an_empty_batch(num_tokens, beam_width,
+                                                                     num_bytes):
+    """Budgets are inclusive: max_tokens_per_batch=100 admits a 100-token request."""
+    limits = make_limits(max_tokens_per_batch=100, max_beams_per_batch=16, max_workspace_bytes=100)
+    request = make_request("exact", num_tokens, beam_width)
+    assert workspace_bytes([request]) == num_bytes
+    assert limits.why_too_big(request, num_bytes) is None
+    builder = BatchBuilder(limits)
+    assert builder.try_add(request, workspace_bytes)
+    assert (builder.num_tokens, builder.num_beams) == (num_tokens, beam_width)
+    one_more = make_request("one-more", num_tokens + 1, beam_width + 1)
+    assert limits.why_too_big(one_more, num_bytes + 1) is not None
+
+
+@pytest.mark.parametrize("budget", ["tokens", "beams", "bytes", "seqs"])
+def test_requests_that_sum_to_a_budget_exactly_share_a_batch(budget):
+    limits = make_limits(max_seqs_per_batch=4, max_tokens_per_batch=100, max_beams_per_batch=16,
+                         max_workspace_bytes=10_000)
+    sizes = {"tokens": [(60, 1), (40, 1), (1, 1)], "beams": [(1, 10), (1, 6), (1, 1)],
+             "bytes": [(10, 3), (10, 3), (1, 1)], "seqs": [(1, 1)] * 5}[budget]
+    if budget == "bytes":  # 30 + 30 workspace bytes: exactly the budget
+        limits = make_limits(max_workspace_bytes=60)
+    builder = BatchBuilder(limits)
+    requests = [make_request(f"r{i}", *size) for i, size in enumerate(sizes)]
+    added = [builder.try_add(request, workspace_bytes) for request in requests]
+    assert added == [True] * (len(sizes) - 1) + [False]
+    assert builder.requests == requests[:-1]
+    assert (builder.num_tokens, builder.num_beams) == (
+        sum(r.num_tokens for r in requests[:-1]), sum(r.beam_width for r in requests[:-1]))
+
+
+def test_a_batch_that_fills_the_beam_budget_exactly_is_launched_whole(make_scheduler):
+    limits = make_limits(max_beams_per_batch=8)
+    scheduler, executor = make_scheduler(limits, is_started=False)
+    requests = [make_request("a", beam_width=8), make_request("b", beam_width=5),
+                make_request("c", beam_width=3)]
+    for request in requests:
+        scheduler.submit(request)
+    scheduler.start()
+    assert [r.future.result(WAIT_S) for r in requests] == ["a", "b", "c"]
+    assert [[r.request_id for r in batch] for batch in executor.batches] == [["a"], ["b", "c"]]
 
 
 def test_cancelled_waiting_request_is_dropped_and_never_launched(make_scheduler):
