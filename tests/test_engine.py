@@ -4,9 +4,11 @@ cancellation, shutdown. Instrumented with the executor's fault hook, never timed
 from __future__ import annotations
 
 import platform
+import queue
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import wait
 
 import pytest
@@ -157,6 +159,49 @@ def test_deadline_passes_while_waiting(model_dir):
         assert info.value.code == "DEADLINE_EXCEEDED"
         gate.release.set()
         assert blocker.result(WAIT_S).results
+
+
+def test_batch_that_finishes_after_the_deadline_fails_it(model_dir):
+    """The executor checks each deadline when the batch is done: a batch that ran past it
+    answers DEADLINE_EXCEEDED (on time is up to and including the deadline). The fault hook
+    freezes the executor's clock an hour ahead and sets the deadlines around that instant."""
+    with Engine.from_pretrained(model_dir, device="cpu") as engine:
+        frozen: list[float] = []
+        engine.executor.clock = lambda: frozen[0] if frozen else time.monotonic()
+        offsets = {"late": -0.001, "exact": 0.0}
+
+        def fault(batch):
+            if not frozen:
+                frozen.append(time.monotonic() + 3600.0)
+            for request in batch:
+                if request.request_id in offsets:
+                    request.deadline = frozen[0] + offsets[request.request_id]
+        engine.executor.fault = fault
+        futures = {name: engine.submit(RecRequest(token_ids=[1, 2], beam_width=4, request_id=name,
+                                                  timeout_ms=None if name == "none" else 60_000))
+                   for name in ("late", "exact", "none")}
+        with pytest.raises(DeadlineExceeded, match="1.0 ms after its deadline") as info:
+            futures["late"].result(WAIT_S)
+        assert info.value.request_id == "late"
+        assert futures["exact"].result(WAIT_S).results
+        assert futures["none"].result(WAIT_S).results
+
+
+def test_failed_batch_has_failed_its_requests_by_the_time_it_reports(model_dir):
+    """Answers come before the batch report: no client waits on a batch that is over."""
+    with Engine.from_pretrained(model_dir, device="cpu") as engine:
+        reports: queue.SimpleQueue = queue.SimpleQueue()
+        engine.add_report_hook(reports.put)
+
+        def fault(batch):
+            raise RuntimeError("injected")
+        engine.executor.fault = fault
+        future = engine.submit(RecRequest(token_ids=[1, 2], beam_width=4, request_id="bad"))
+        report = reports.get(timeout=WAIT_S)
+        assert not report.is_ok and report.num_requests == 1
+        assert future.done(), "the batch reported while its request was still unanswered"
+        assert isinstance(future.exception(0), Internal)
+        assert future.exception(0).request_id == "bad"
 
 
 def test_cancelled_waiting_request_is_dropped(model_dir):
