@@ -1,0 +1,211 @@
+"""server/schemas.py without a server: body -> RecRequest, limits, errors (milliseconds).
+
+The HTTP tests (test_server*.py) go through a real uvicorn; these pin the conversions
+that the HTTP tests never vary, written against mutants that survived (issue 15).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import pytest
+
+from xrec.api_types import RecCandidate, RecItem, RecResponse
+from xrec.errors import InvalidArgument, PayloadTooLarge
+from xrec.server.schemas import (MAX_DIMENSION, MAX_REQUEST_ID_CHARS, NativeRequest,
+                                 SchemaError, XllmRequest, check_value_count, native_request,
+                                 native_response, parse_body, request_id_of, xllm_request,
+                                 xllm_response)
+
+
+def xllm(**fields):
+    return xllm_request(parse_body(json.dumps({"token_ids": [1, 2], **fields}).encode(),
+                                   XllmRequest), "rid")
+
+
+def native(**fields):
+    return native_request(parse_body(json.dumps({"token_ids": [1, 2], **fields}).encode(),
+                                     NativeRequest), "rid")
+
+
+@pytest.mark.parametrize("top_k, expected", [(0, None), (-1, None), (-7, None), (None, None),
+                                             (1, 1), (32, 32)])
+def test_xllm_top_k_zero_or_negative_means_the_default(top_k, expected):
+    """xllm's -1 is "no cutoff", 0 unset: both leave top_k to the engine's default."""
+    assert xllm(top_k=top_k).top_k == expected
+
+
+def test_native_top_k_is_passed_through_for_the_engine_to_validate():
+    assert native(top_k=0).top_k == 0
+    assert native(top_k=5).top_k == 5
+
+
+def test_xllm_fields_reach_the_request():
+    request = xllm(beam_width=8, num_return_sequences=3, normalize="full", return_items=False,
+                   timeout_ms=250.0, prompt="")
+    assert (request.beam_width, request.num_return_sequences, request.normalize) == (8, 3, "full")
+    assert request.return_items is False and request.timeout_ms == 250.0
+    assert request.prompt is None and request.token_ids == [1, 2] and request.request_id == "rid"
+
+
+def test_native_fields_reach_the_request():
+    request = native(beam_width=4, num_return_sequences=2, normalize="allowed", temperature=0.5,
+                     return_items=False, timeout_ms=10.0, seed=7)
+    assert (request.beam_width, request.num_return_sequences, request.normalize) == (
+        4, 2, "allowed")
+    assert (request.temperature, request.return_items, request.timeout_ms, request.seed) == (
+        0.5, False, 10.0, 7)
+    assert native().temperature == 1.0 and native().return_items is True
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"stream": True}, "stream: got true"),
+    ({"max_tokens": -1}, "max_tokens: got -1"),
+    ({"logprobs": -2}, "logprobs: got -2"),
+    ({"input_tensors": [{"name": "x", "data_type": "FLOAT", "shape": [1, 1],
+                         "contents": {"fp32_contents": [1.0]}}]}, "input_tensors[0].name: got 'x'"),
+    ({"input_tensors": [{"name": "sparse_embedding", "data_type": "INT64", "shape": [1, 1],
+                         "contents": {"fp32_contents": [1.0]}}]}, "data_type: got 'INT64'"),
+    ({"input_tensors": [{"name": "sparse_embedding", "data_type": "FLOAT", "shape": [1, 1],
+                         "contents": {}}]}, "fp32_contents: missing"),
+    ({"input_tensors": [{"name": "sparse_embedding", "data_type": "FLOAT", "shape": [1, 1],
+                         "contents": {"fp32_contents": [1.0], "bool_contents": [True]}}]},
+     "got bool_contents for a FLOAT tensor"),
+    ({"input_tensors": [{"name": "sparse_embedding", "data_type": "FLOAT", "shape": [1, 2],
+                         "contents": {"fp32_contents": [1.0]}}]}, "got 1 values, shape [1, 2]"),
+])
+def test_bad_xllm_requests_name_the_field(fields, words):
+    with pytest.raises(InvalidArgument) as info:
+        xllm(**fields)
+    assert words in str(info.value) and not isinstance(info.value, SchemaError)
+
+
+def test_xllm_accepts_what_is_allowed_at_the_edges():
+    assert xllm(max_tokens=0, logprobs=0, stream=False).token_ids == [1, 2]
+    assert xllm(logprobs=True).token_ids == [1, 2]
+
+
+def test_xllm_input_tensors_by_name_and_enum_number():
+    tensor = {"name": "sparse_embedding", "data_type": 1, "shape": [2, 2],
+              "contents": {"fp32_contents": [1.0, 2.0, 3.0, 4.0]}}
+    context = dict(tensor, name="decoder_context_embedding", data_type="FLOAT", shape=[1, 4])
+    request = xllm(input_tensors=[tensor, context])
+    assert request.sparse_embedding.tolist() == [[1.0, 2.0], [3.0, 4.0]]
+    assert request.sparse_embedding.dtype == np.float32
+    assert request.decoder_context_embedding.shape == (1, 4)
+    with pytest.raises(InvalidArgument, match=r"input_tensors\[1\].name: 'sparse_embedding' "
+                                              "given twice"):
+        xllm(input_tensors=[tensor, tensor])
+
+
+def test_native_embeddings_as_data_or_base64():
+    values = np.arange(6, dtype="<f4")
+    b64 = base64.b64encode(values.tobytes()).decode()
+    by_data = native(sparse_embedding={"shape": [2, 3], "data": values.tolist()})
+    by_b64 = native(decoder_context_embedding={"shape": [3, 2], "b64": b64})
+    assert by_data.sparse_embedding.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert by_b64.decoder_context_embedding.tolist() == [[0, 1], [2, 3], [4, 5]]
+    assert by_b64.decoder_context_embedding.dtype == np.float32
+
+
+@pytest.mark.parametrize("matrix, words", [
+    ({"shape": [1, 1], "data": [1.0], "b64": "AAAAAA=="}, "exactly one of data / b64, got both"),
+    ({"shape": [1, 1]}, "exactly one of data / b64, got neither"),
+    ({"shape": [1, 1], "b64": "!!"}, "sparse_embedding.b64: not valid base64"),
+    ({"shape": [1, 2], "b64": "AAAAAA=="}, "decodes to 4 bytes, shape [1, 2] needs 8"),
+    ({"shape": [3], "data": [1.0]}, "sparse_embedding.shape: got [3]"),
+    ({"shape": [1, 2, 3, 4, 5], "data": [1.0]}, "got a list of 5 integers"),
+    ({"shape": [-1, 1], "data": [1.0]}, "got [-1, 1]"),
+    ({"shape": [1, MAX_DIMENSION + 1], "data": [1.0]}, f"two integers in [0, {MAX_DIMENSION}]"),
+])
+def test_bad_native_embeddings_name_the_field(matrix, words):
+    with pytest.raises(InvalidArgument) as info:
+        native(sparse_embedding=matrix)
+    assert words in str(info.value)
+
+
+def test_shape_bounds_are_inclusive():
+    assert native(sparse_embedding={"shape": [0, MAX_DIMENSION], "data": []}) \
+        .sparse_embedding.shape == (0, MAX_DIMENSION)
+
+
+def test_body_errors_are_400_for_bad_json_and_422_for_the_wrong_shape():
+    with pytest.raises(InvalidArgument, match="malformed JSON body") as info:
+        parse_body(b"{", NativeRequest)
+    assert not isinstance(info.value, SchemaError)
+    with pytest.raises(SchemaError, match="bogus: unknown field"):
+        parse_body(b'{"bogus": 1}', NativeRequest)
+    with pytest.raises(SchemaError, match=r"token_ids\[1\]: .*\(got 'x'\)") as info:
+        parse_body(b'{"token_ids": [1, "x"]}', NativeRequest)
+    assert info.value.http_status == 422
+
+
+def test_schema_errors_name_three_fields_then_count_the_rest():
+    body = json.dumps({f"f{i}": i for i in range(5)}).encode()
+    with pytest.raises(SchemaError) as info:
+        parse_body(body, NativeRequest)
+    message = str(info.value)
+    assert message.count("unknown field") == 3 and "(and 2 more)" in message
+
+
+def test_long_wrong_values_are_cut_in_the_message():
+    with pytest.raises(SchemaError) as info:
+        parse_body(json.dumps({"prompt": list(range(100))}).encode(), NativeRequest)
+    message = str(info.value)
+    assert "..." in message and "99" not in message
+
+
+def test_request_ids():
+    assert request_id_of(NativeRequest(request_id="a-1")) == "a-1"
+    assert request_id_of(NativeRequest(request_id="x" * MAX_REQUEST_ID_CHARS))
+    fresh = request_id_of(NativeRequest())
+    assert len(fresh) == 32 and fresh != request_id_of(NativeRequest())
+    with pytest.raises(InvalidArgument, match="got 257 characters, expected 1 to 256"):
+        request_id_of(NativeRequest(request_id="x" * (MAX_REQUEST_ID_CHARS + 1)))
+    with pytest.raises(InvalidArgument, match="got 0 characters"):
+        request_id_of(NativeRequest(request_id=""))
+    with pytest.raises(InvalidArgument, match="U\\+0020 at position 1 is not allowed"):
+        request_id_of(NativeRequest(request_id="a b"))
+    with pytest.raises(InvalidArgument, match="U\\+00E9 at position 0"):
+        request_id_of(NativeRequest(request_id="\u00e9"))
+
+
+def test_value_count_limit_is_inclusive():
+    check_value_count(b"[1,2,3]", 3)
+    check_value_count(b"[1,2,3]", 100)            # short bodies are not counted
+    with pytest.raises(PayloadTooLarge, match="up to 4 JSON values .* holds 3"):
+        check_value_count(b"[1,2,3,4]", 3)
+
+
+def _response() -> RecResponse:
+    results = [RecCandidate(tokens=(5, 6), score=-1.5, token_logprobs=(-1.0, -0.5),
+                            items=[RecItem(item_id=42)]),
+               RecCandidate(tokens=(7, 8), score=-2.0, token_logprobs=(-1.5, -0.5))]
+    return RecResponse(request_id="rid", results=results, usage={"input_tokens": 3},
+                       timing={"run_ms": 1.0})
+
+
+def test_xllm_response_with_items_on_and_off():
+    on = xllm_response(_response(), "m", rounds=2, is_items_on=True)
+    assert [c["text"] for c in on["choices"]] == ["5 6", "7 8"]
+    assert on["choices"][1]["logprobs"] == {"tokens": ["7", "8"], "token_ids": [7, 8],
+                                            "token_logprobs": [-1.5, -0.5]}
+    rec, sku = on["output_tensors"]
+    assert rec == {"name": "rec_result", "datatype": "INT64", "shape": [2],
+                   "contents": {"int64_contents": [42, -1]}}
+    assert sku["shape"] == [2, 2] and sku["contents"]["fp32_contents"] == [-1.0, -0.5, -1.5, -0.5]
+    assert on["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    off = xllm_response(_response(), "m", rounds=2, is_items_on=False,
+                        token_string=lambda t: f"<{t}>" if t != 8 else None)
+    assert off["output_tensors"][0]["contents"] == {"int_contents": [5, 6, 7, 8]}
+    assert off["output_tensors"][0]["datatype"] == "INT32"
+    assert off["choices"][1]["logprobs"]["tokens"] == ["<7>", "8"]
+
+
+def test_native_response_carries_the_results_themselves():
+    response = _response()
+    body = native_response(response, "m")
+    assert body["id"] == "rid" and body["model"] == "m" and body["results"] is response.results
+    assert body["usage"] == {"input_tokens": 3} and body["timing"] == {"run_ms": 1.0}
