@@ -56,14 +56,16 @@ def wait_until(condition, timeout: float = WAIT_S, interval: float = 0.01) -> bo
 class ServerThread:
     """A uvicorn server for `app` in a thread, on a socket bound to a free port."""
 
-    def __init__(self, app, server_class=uvicorn.Server, **kwargs):
+    def __init__(self, app, server_class=uvicorn.Server, config=None, **kwargs):
+        """`config`: uvicorn's settings (default: plain uvicorn, quiet, no lifespan)."""
         # proto=IPPROTO_TCP, or asyncio leaves Nagle on (40 ms delayed-ACK stalls per answer)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(128)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
+        config = config or uvicorn.Config(app, log_level="warning", lifespan="off",
+                                          access_log=False)
         self.server = server_class(config, **kwargs)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        daemon=True)

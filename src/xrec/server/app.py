@@ -10,6 +10,7 @@ it in `xrec.server.run`; tests may also drive it through
     GET  /v1/models            OpenAI list shape; GET /v1/models/{name}
     GET  /health               200 serving; 503 loading or draining
     GET  /metrics              Prometheus text
+    GET  /openapi.json         OpenAPI 3.1 document (xrec.server.openapi)
     GET  /v1/admin/catalog     catalog versions; POST loads one, POST .../restore (admin.py)
 
 Decisions where `spec/serving.md` is silent:
@@ -44,8 +45,10 @@ Decisions where `spec/serving.md` is silent:
   waiting request is dropped by the scheduler; a running batch finishes and
   the answer is dropped); it is counted as CANCELLED and answered 499 (which
   nobody reads). A client that goes away while sending its body: the same.
-- The interactive docs (/docs, /openapi.json) are off: bodies are parsed by
-  hand for exact error statuses, so FastAPI's schema would be empty.
+- Bodies are parsed by hand for exact error statuses, so FastAPI's own schema
+  would be empty: `GET /openapi.json` serves `xrec.server.openapi.document`,
+  written from the request models (behind the API key like every route but
+  /health); the interactive /docs page is off (it loads assets from a CDN).
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ from starlette.requests import ClientDisconnect
 
 from xrec.errors import (Cancelled, Internal, InvalidArgument, NotFound, PayloadTooLarge,
                          Unauthenticated, Unavailable, XrecError)
-from xrec.server import chat, schemas
+from xrec.server import chat, openapi, schemas
 from xrec.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -385,6 +388,10 @@ def create_app(engine: Any, *, served_model_name: str | None = None, api_key: st
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(service.metrics.render(), media_type=service.metrics.content_type)
+
+    @app.get("/openapi.json")
+    async def openapi_document() -> dict:
+        return openapi.document(service.api_key is not None)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:

@@ -21,9 +21,11 @@ byte reaches the app (so before auth):
 
 A refusal is the app's JSON error shape (`{"error": {"code", "message", "request_id"}}`,
 with `X-Request-Id`) and `Connection: close`. The connection then lingers: its write
-side is shut, what the client still sends is read and dropped for up to `LINGER_S`,
-then it closes. Closing at once with unread bytes would send a reset, which makes the
-client's kernel drop the refusal before the client reads it. At most `max_connections`
+side is shut and what the client still sends is read and dropped, until the client
+closes, `LINGER_S` pass without a byte, or `MAX_LINGER_S` pass in all. Closing at once
+with unread bytes would send a reset, and a client that sends its whole request
+before reading (most do) would see the reset instead of the refusal (measured: a
+4 MiB header got ConnectionResetError 5 times in 5). At most `max_connections`
 refused connections linger at a time; beyond that they close at once.
 
 The HTTP codes carry the nearest code of `xrec.errors`: 431 PAYLOAD_TOO_LARGE, 408
@@ -41,7 +43,8 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-LINGER_S = 1.0
+LINGER_S = 1.0         # a refused connection closes after this long without a byte
+MAX_LINGER_S = 10.0    # or after this long in all
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,7 @@ class LimitedProtocol(HttpToolsProtocol):
         self._head_bytes = 0           # received since that head began
         self._deadline: asyncio.TimerHandle | None = None   # head or body deadline
         self._is_refused = False       # refused and lingering: input is dropped
+        self._linger_until = 0.0       # loop time at which a lingering refusal closes at last
 
     # ---- connection ------------------------------------------------------------
 
@@ -122,6 +126,7 @@ class LimitedProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self._is_refused:
+            self._linger()
             return
         if self._is_reading_head:
             self._head_bytes += len(data)
@@ -205,7 +210,14 @@ class LimitedProtocol(HttpToolsProtocol):
         self.transport.write_eof()
         if self.flow is not None:
             self.flow.resume_reading()
-        self._deadline = self.loop.call_later(LINGER_S, self.transport.close)
+        self._linger_until = self.loop.time() + MAX_LINGER_S
+        self._linger()
+
+    def _linger(self) -> None:
+        """(Re)arm the close of a refused connection: LINGER_S from now, MAX_LINGER_S at most."""
+        self._cancel_deadline()
+        delay = min(LINGER_S, self._linger_until - self.loop.time())
+        self._deadline = self.loop.call_later(max(0.0, delay), self.transport.close)
 
     def _count(self, reason: str) -> None:
         if self.shared.refusals is not None:

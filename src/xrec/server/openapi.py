@@ -1,0 +1,174 @@
+"""The app's OpenAPI 3.1 document (`GET /openapi.json`), built from the request models.
+
+Bodies are parsed by hand (`schemas.parse_body`) for exact error statuses, so FastAPI
+cannot see them; this document is written from the same pydantic models that parse
+them (`NativeRequest`, `XllmRequest`, `ChatRequest`, strict: unknown fields refused),
+and from the response models below, which describe what the routes answer (they
+are documentation: the routes build their JSON directly, and
+tests/test_server_fuzz.py checks every answer against them). Range checks that
+depend on the served model (vocabulary, beam width, lengths) are not in the schema:
+they are answered 400 with the allowed range.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, Literal
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from xrec.server import chat, schemas
+
+REF = "#/components/schemas/{model}"
+ERROR_STATUSES = {"400": "malformed JSON or a value out of range", "401": "missing or wrong "
+                  "API key", "404": "unknown model", "413": "body over the size limit",
+                  "422": "body of the wrong shape (types, unknown or missing fields)",
+                  "429": "queue full, or a request larger than a pipeline can hold",
+                  "499": "the client went away", "503": "loading or draining",
+                  "504": "the request's deadline passed"}
+
+
+class ErrorDetail(BaseModel):
+    code: Literal["INVALID_ARGUMENT", "UNAUTHENTICATED", "NOT_FOUND", "PAYLOAD_TOO_LARGE",
+                  "RESOURCE_EXHAUSTED", "CANCELLED", "INTERNAL", "UNAVAILABLE",
+                  "DEADLINE_EXCEEDED"]
+    message: str
+    request_id: str
+
+
+class ErrorBody(BaseModel):
+    """Every error answer, of every route."""
+
+    error: ErrorDetail
+
+
+class Item(BaseModel):
+    item_id: int
+    did: str | None
+    type: str | None
+
+
+class Result(BaseModel):
+    tokens: list[int]
+    score: float
+    token_logprobs: list[float]
+    items: list[Item]
+    text: str | None
+
+
+class NativeResponse(BaseModel):
+    id: str
+    model: str
+    results: list[Result]
+    usage: dict[str, int]
+    timing: dict[str, float]
+
+
+class XllmLogprobs(BaseModel):
+    tokens: list[str]
+    token_ids: list[int]
+    token_logprobs: list[float]
+
+
+class XllmChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: XllmLogprobs
+    finish_reason: Literal["stop"]
+
+
+class OutputTensor(BaseModel):
+    name: Literal["rec_result", "sku_logprobs"]
+    datatype: Literal["INT64", "INT32", "FLOAT"]
+    shape: list[int]
+    contents: dict[str, list[int] | list[float]]
+
+
+class XllmResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[XllmChoice]
+    usage: dict[str, int]
+    output_tensors: list[OutputTensor]
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    finish_reason: Literal["stop"]
+    logprobs: dict[str, Any] | None
+    token_ids: list[int]
+    score: float
+    items: list[Item]
+
+
+class ChatResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: dict[str, int]
+
+
+# route -> (summary, request model, response model)
+COMPLETIONS = {
+    "/v1/rec/completions": ("Recommend (native)", schemas.NativeRequest, NativeResponse),
+    "/v1/completions": ("Recommend (xllm-compatible)", schemas.XllmRequest, XllmResponse),
+    "/v1/chat/completions": ("Recommend from a chat (models with a chat template)",
+                             chat.ChatRequest, ChatResponse),
+}
+
+
+@lru_cache(maxsize=1)
+def _components() -> dict:
+    models = [(m, "validation") for _, m, _ in COMPLETIONS.values()]
+    models += [(m, "serialization") for m in (ErrorBody, *(r for _, _, r in COMPLETIONS.values()))]
+    _, defs = models_json_schema(models, ref_template=REF)
+    return defs["$defs"]
+
+
+def document(is_auth_on: bool, title: str = "xrec", version: str = "0") -> dict:
+    """The OpenAPI 3.1 document of the app's routes (bearer auth when `is_auth_on`)."""
+    def ref(model: type[BaseModel]) -> dict:
+        return {"$ref": REF.format(model=model.__name__)}
+
+    errors = {status: {"description": text,
+                       "content": {"application/json": {"schema": ref(ErrorBody)}}}
+              for status, text in ERROR_STATUSES.items()}
+    paths: dict[str, Any] = {}
+    for path, (summary, request, response) in COMPLETIONS.items():
+        paths[path] = {"post": {
+            "summary": summary,
+            "requestBody": {"required": True,
+                            "content": {"application/json": {"schema": ref(request)}}},
+            "responses": {"200": {"description": "results, best first",
+                                  "content": {"application/json": {"schema": ref(response)}}},
+                          **errors}}}
+    plain = {"200": {"description": "OK"}, "401": errors["401"]}
+    paths["/v1/models"] = {"get": {"summary": "The served model", "responses": plain}}
+    paths["/v1/models/{name}"] = {"get": {
+        "summary": "One model", "responses": {**plain, "404": errors["404"]},
+        "parameters": [{"name": "name", "in": "path", "required": True,
+                        "schema": {"type": "string"}}]}}
+    paths["/health"] = {"get": {"summary": "200 serving, 503 loading or draining",
+                                "security": [], "responses": {"200": {"description": "serving"},
+                                                              "503": errors["503"]}}}
+    paths["/metrics"] = {"get": {"summary": "Prometheus metrics", "responses": {
+        "200": {"description": "Prometheus text", "content": {"text/plain": {}}},
+        "401": errors["401"]}}}
+    components: dict[str, Any] = {"schemas": _components()}
+    out = {"openapi": "3.1.0", "info": {"title": title, "version": version}, "paths": paths,
+           "components": components}
+    if is_auth_on:
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        out["security"] = [{"bearer": []}]
+    return out

@@ -1,0 +1,386 @@
+"""Hostile and careless clients against a real server (issue 12), one test per reproduction.
+
+In-process uvicorn servers on 127.0.0.1 run `xrec serve`'s own settings
+(`server_config`: the limited protocol of xrec.server.limits) around the tiny
+random model; raw sockets play the clients. Signals, exit codes and start-up
+refusals run `python -m xrec serve` in a subprocess. No wall-time assertions:
+every wait is bounded (a socket timeout, `wait_until`), so a server that never
+answers fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+np = pytest.importorskip("numpy")
+
+from test_server import (API_KEY, D_MODEL, NATIVE, VALID, WAIT_S, XLLM, Gate,  # noqa: E402
+                         ServerThread, assert_error, b64, embedding, engine, metric,  # noqa: F401
+                         model_dir, post_in_thread, start_serve, wait_until)
+
+from xrec import Engine  # noqa: E402
+from xrec.server import schemas  # noqa: E402
+from xrec.server.app import create_app  # noqa: E402
+from xrec.server.limits import ConnectionLimits  # noqa: E402
+from xrec.server.run import DrainingServer, server_config  # noqa: E402
+
+CHAT = "/v1/chat/completions"
+
+
+# ---- helpers ---------------------------------------------------------------------------
+
+def limited_server(engine, grace_s: float | None = None, **limits) -> ServerThread:
+    """`engine` behind `xrec serve`'s uvicorn settings with `limits`; with `grace_s`, the
+    `xrec serve` drain (DrainingServer) too."""
+    app = create_app(engine)
+    config = server_config(app, ConnectionLimits(**limits))
+    if grace_s is None:
+        return ServerThread(app, config=config)
+    return ServerThread(app, DrainingServer, config=config, service=app.state.xrec,
+                        grace_s=grace_s)
+
+
+def connect(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
+
+
+def read_answer(sock: socket.socket) -> tuple[int, dict, dict]:
+    """(status, headers in lower case, JSON body) of the next response on `sock`."""
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    body = response.read()
+    return response.status, {k.lower(): v for k, v in response.getheaders()}, json.loads(body)
+
+
+def assert_error_shape(body: dict, headers: dict, code: str) -> None:
+    error = body["error"]
+    assert set(error) == {"code", "message", "request_id"} and error["code"] == code, body
+    assert error["message"] and headers["x-request-id"] == error["request_id"]
+
+
+def assert_closed_by_server(sock: socket.socket) -> None:
+    """The server closes the connection: recv sees the end (bounded by the socket timeout)."""
+    try:
+        assert sock.recv(1) == b""
+    except ConnectionResetError:
+        pass  # closed with unread bytes: also closed
+
+
+def refusals(url: str, reason: str) -> float:
+    return metric(url, "xrec_http_refusals_total", reason=reason)
+
+
+@pytest.fixture(scope="module")
+def served(engine):
+    """The default limits (16 KiB head, 10 / 60 / 5 s, 1024 connections)."""
+    running = limited_server(engine)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def impatient(engine):
+    """Short deadlines, so that slow and idle clients are closed in a test's time."""
+    running = limited_server(engine, header_timeout_s=0.5, body_timeout_s=0.5, keep_alive_s=0.5)
+    yield running
+    running.stop()
+
+
+# ---- 1. unbounded headers --------------------------------------------------------------------
+
+def test_oversized_head_is_431_and_the_server_keeps_serving(served):
+    with connect(served.port) as sock:
+        # the whole head first, then read: the refusal must survive the unread bytes
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (8 << 20))
+        status, headers, body = read_answer(sock)
+        assert status == 431 and headers["connection"] == "close"
+        assert_error_shape(body, headers, "PAYLOAD_TOO_LARGE")
+        assert "16384 bytes" in body["error"]["message"]
+        assert_closed_by_server(sock)
+    # everyone else is served; a head just under the limit too
+    assert httpx.get(served.url + "/health", timeout=WAIT_S).status_code == 200
+    near = httpx.get(served.url + "/health", headers={"X-Big": "a" * 15_000}, timeout=WAIT_S)
+    assert near.status_code == 200
+    assert refusals(served.url, "max_header_bytes") == 1
+
+
+# ---- 2. timeouts, idle connections, the connection cap ----------------------------------------
+
+def test_slow_head_and_slow_body_get_408(impatient):
+    with connect(impatient.port) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")    # the head never ends
+        status, headers, body = read_answer(sock)
+        assert status == 408
+        assert_error_shape(body, headers, "DEADLINE_EXCEEDED")
+        assert_closed_by_server(sock)
+    with connect(impatient.port) as sock:
+        sock.sendall(f"POST {NATIVE} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     "Content-Length: 100\r\n\r\n{\"token_ids\": [".encode())
+        status, headers, body = read_answer(sock)
+        assert status == 408 and "body" in body["error"]["message"]
+        assert_error_shape(body, headers, "DEADLINE_EXCEEDED")
+        assert_closed_by_server(sock)
+    assert httpx.post(impatient.url + NATIVE, json=VALID, timeout=WAIT_S).status_code == 200
+    assert refusals(impatient.url, "header_timeout") == 1
+    assert refusals(impatient.url, "body_timeout") == 1
+
+
+def test_idle_connections_are_closed(impatient):
+    idle = [connect(impatient.port) for _ in range(20)]   # never send a byte
+    for sock in idle:
+        with sock:
+            assert_closed_by_server(sock)
+    with connect(impatient.port) as sock:   # idle after an answer (keep-alive)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, _, body = read_answer(sock)
+        assert status == 200 and body["status"] == "ok"
+        assert_closed_by_server(sock)
+
+
+def test_connections_over_the_cap_are_refused_cleanly(engine):
+    running = limited_server(engine, max_connections=4, keep_alive_s=WAIT_S * 4)
+    held: list[socket.socket] = []
+    try:
+        for _ in range(4):   # the cap is held by kept-alive connections
+            sock = connect(running.port)
+            held.append(sock)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert read_answer(sock)[0] == 200
+        for _ in range(40):  # each of these sends its request at once, then reads
+            with connect(running.port) as sock:
+                sock.sendall(f"POST {NATIVE} HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                             f"{len(json.dumps(VALID))}\r\n\r\n{json.dumps(VALID)}".encode())
+                status, headers, body = read_answer(sock)
+                assert status == 503 and headers["retry-after"] == "1"
+                assert_error_shape(body, headers, "UNAVAILABLE")
+                assert "4 open connections" in body["error"]["message"]
+                assert_closed_by_server(sock)
+        assert_error(httpx.get(running.url + "/health", timeout=WAIT_S), 503, "UNAVAILABLE")
+    finally:
+        for sock in held:
+            sock.close()
+    assert wait_until(lambda: _health(running.url) == 200), "slots were not freed"
+    assert refusals(running.url, "max_connections") == 41
+    running.stop()
+
+
+def _health(url: str) -> int:
+    try:
+        return httpx.get(url + "/health", timeout=WAIT_S).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+# ---- 3. request ids --------------------------------------------------------------------------
+
+BAD_IDS = {"non-latin-1": "日本", "crlf": "a\r\nX-Injected: 1", "lf": "a\nb", "nul": "nul\x00",
+           "del": "del\x7f", "space": "a b", "empty": "", "1-mib": "x" * (1 << 20)}
+
+
+@pytest.mark.parametrize("path", [NATIVE, XLLM, CHAT])
+def test_bad_request_ids_are_400_and_never_reflected(served, path):
+    before = metric(served.url, "xrec_requests_total", api=_api(path), code="INVALID_ARGUMENT")
+    for name, rid in BAD_IDS.items():
+        body = {**VALID, "request_id": rid} if path != CHAT else \
+            {"messages": [{"role": "user", "content": "hi"}], "request_id": rid}
+        response = httpx.post(served.url + path, json=body, timeout=WAIT_S)
+        error = assert_error(response, 400)
+        assert "request_id" in error["message"], (name, error)
+        assert len(error["message"]) < 200 and (not rid or rid not in error["message"]), name
+        assert error["request_id"] != rid and len(error["request_id"]) == 32
+        assert response.headers["x-request-id"] == error["request_id"]
+    after = metric(served.url, "xrec_requests_total", api=_api(path), code="INVALID_ARGUMENT")
+    assert after == before + len(BAD_IDS)   # the metrics say what the clients saw
+
+
+def _api(path: str) -> str:
+    return {NATIVE: "native", XLLM: "xllm", CHAT: "chat"}[path]
+
+
+def test_a_bad_request_id_keeps_the_connection(served):
+    bad, good = ({**VALID, "request_id": rid} for rid in ("日本", "req-7:a/b"))
+    with connect(served.port) as sock:
+        for body, status in ((bad, 400), (good, 200)):
+            data = json.dumps(body).encode()
+            sock.sendall(f"POST {NATIVE} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                         f"\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+            got, headers, answer = read_answer(sock)
+            assert got == status and headers.get("connection") != "close"
+    assert answer["id"] == "req-7:a/b" == headers["x-request-id"]
+
+
+# ---- 5. memory: body limit and values before parsing --------------------------------------------
+
+def test_body_limit_is_the_largest_valid_request(served, engine):
+    service = _service(served)
+    assert service.max_body_bytes == schemas.max_body_bytes(engine.limits) < 64 << 20
+    # the largest valid request (two embeddings of max_input_len rows, JSON floats) fits
+    rows = engine.limits.max_input_len
+    full = embedding(rows).ravel().tolist()
+    largest = json.dumps({"sparse_embedding": {"shape": [rows, D_MODEL], "data": full},
+                          "decoder_context_embedding": {"shape": [rows, D_MODEL], "data": full},
+                          "beam_width": 4, "request_id": "r" * 256}, indent=1)
+    assert len(largest) < service.max_body_bytes
+    assert largest.count(",") + 1 <= service.max_json_values
+    # declared over the limit: refused before reading
+    with connect(served.port) as sock:
+        sock.sendall(f"POST {NATIVE} HTTP/1.1\r\nHost: x\r\nContent-Length: {60 << 20}\r\n\r\n"
+                     .encode())
+        status, headers, body = read_answer(sock)
+    assert status == 413 and body["error"]["code"] == "PAYLOAD_TOO_LARGE"
+    # one embedding of max_input_len rows is served
+    half = {"sparse_embedding": {"shape": [rows, D_MODEL], "b64": b64(embedding(rows))},
+            "beam_width": 2}
+    assert httpx.post(served.url + NATIVE, json=half, timeout=WAIT_S * 2).status_code == 200
+
+
+def _service(running: ServerThread):
+    return running.server.config.app.state.xrec
+
+
+def test_a_body_of_many_small_values_is_refused_before_parsing(served, engine):
+    service = _service(served)
+    count = 2 * service.max_json_values
+    zeros = b'{"sparse_embedding": {"shape": [1, 128], "data": [' + b"0," * count + b"0]}}"
+    assert len(zeros) < service.max_body_bytes      # under the body limit
+    before = metric(served.url, "xrec_requests_total", api="native", code="PAYLOAD_TOO_LARGE")
+    results: list = []
+    threads = [threading.Thread(target=lambda: results.append(httpx.post(
+        served.url + NATIVE, content=zeros, timeout=WAIT_S * 2)), daemon=True) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(WAIT_S * 2)
+    assert len(results) == 6
+    for response in results:
+        assert "JSON values" in assert_error(response, 413, "PAYLOAD_TOO_LARGE")["message"]
+    assert metric(served.url, "xrec_requests_total", api="native",
+                  code="PAYLOAD_TOO_LARGE") == before + 6
+    assert httpx.post(served.url + NATIVE, json=VALID, timeout=WAIT_S).status_code == 200
+
+
+# ---- 6. huge shapes ------------------------------------------------------------------------------
+
+HUGE = [
+    ("data-2**64", NATIVE, {"sparse_embedding": {"shape": [2**64, 0], "data": []}}),
+    ("data-cols-2**64", NATIVE, {"sparse_embedding": {"shape": [0, 2**64], "data": []}}),
+    ("b64-2**63", NATIVE, {"sparse_embedding": {"shape": [2**63, 0], "b64": ""}}),
+    ("context-2**63", NATIVE, {"token_ids": [1], "decoder_context_embedding":
+                               {"shape": [2**63, 0], "data": []}}),
+    ("xllm-2**64", XLLM, {"input_tensors": [{"name": "sparse_embedding", "data_type": "FLOAT",
+                                             "shape": [2**64, 0],
+                                             "contents": {"fp32_contents": []}}]}),
+    ("long-shape", NATIVE, {"sparse_embedding": {"shape": [1] * 10_000, "data": [0.0]}}),
+]
+
+
+@pytest.mark.parametrize("path, body", [c[1:] for c in HUGE], ids=[c[0] for c in HUGE])
+def test_huge_shapes_are_400(served, path, body):
+    error = assert_error(httpx.post(served.url + path, json=body, timeout=WAIT_S), 400)
+    assert "shape" in error["message"] and len(error["message"]) < 200
+
+
+# ---- 7. shutdown past the grace period -----------------------------------------------------------
+
+def test_requests_unfinished_after_the_grace_period_get_503_json(model_dir):
+    engine = Engine.from_pretrained(model_dir, device="cpu")
+    gate = engine.executor.fault = Gate()
+    running = limited_server(engine, grace_s=0.2)
+    try:
+        results: list = []
+        threads = [post_in_thread(running.url + NATIVE, {**VALID, "request_id": "slow-g"},
+                                  results)]
+        assert gate.entered.wait(WAIT_S), "the slow batch never started"
+        threads.append(post_in_thread(running.url + XLLM, {**VALID, "request_id": "queued-g"},
+                                      results))
+        assert wait_until(lambda: engine.scheduler.num_waiting == 1)
+        running.server.handle_exit(signal.SIGTERM, None)   # the batch outlasts the grace period
+        for thread in threads:
+            thread.join(WAIT_S * 2)
+        assert len(results) == 2
+        for response in results:
+            assert response.headers["content-type"] == "application/json", response.text
+            assert_error(response, 503, "UNAVAILABLE")
+        assert sorted(r.json()["error"]["request_id"] for r in results) == ["queued-g", "slow-g"]
+        running.thread.join(WAIT_S)
+        assert not running.thread.is_alive(), "server did not stop after the drain"
+    finally:
+        gate.release.set()
+        if running.thread.is_alive():
+            running.stop()
+        engine.close(5)
+
+
+# ---- 8, 9, 12, python -m xrec: the process -----------------------------------------------------
+
+def _env(tmp_path, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XREC_API_KEY"}
+    return {**env, "XREC_HOME": str(tmp_path / "home"), **extra}
+
+
+def test_a_second_sigterm_while_exiting_is_ignored(model_dir, tmp_path):
+    proc, url, _ = start_serve(["--model", str(model_dir), "--device", "cpu", "--grace-s", "1"],
+                               _env(tmp_path), tmp_path / "serve.log")
+    try:
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + WAIT_S
+        num_sent = 1
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:   # signals all through the drain and the exit
+                proc.send_signal(signal.SIGTERM)
+                num_sent += 1
+            except ProcessLookupError:
+                break
+            time.sleep(0.005)
+        assert proc.wait(timeout=WAIT_S) == 0, (tmp_path / "serve.log").read_text()
+        assert num_sent > 2
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _xrec(args: list[str], env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "xrec", *args], capture_output=True, text=True,
+                          env=env, timeout=WAIT_S * 4)
+
+
+def test_a_busy_port_is_one_line_and_exit_1(model_dir, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        done = _xrec(["serve", "--model", str(model_dir), "--device", "cpu", "--port",
+                      str(port)], _env(tmp_path))
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"xrec serve: error: cannot listen on 127.0.0.1:{port}: Address already in use"]
+
+
+def test_an_empty_api_key_is_refused_at_start_up(model_dir, tmp_path, engine):
+    for args, extra in ((["--api-key", ""], {}), ([], {"XREC_API_KEY": ""})):
+        done = _xrec(["serve", "--model", str(model_dir), "--device", "cpu", "--port", "0",
+                      *args], _env(tmp_path, **extra))
+        assert done.returncode == 1, done.stderr
+        assert "--api-key / XREC_API_KEY: got an empty string" in done.stderr, done.stderr
+    for key in ("", "two words", "ключ"):
+        with pytest.raises(ValueError, match="api key"):
+            create_app(engine, api_key=key)
+    assert create_app(engine, api_key=API_KEY).state.xrec.api_key == API_KEY.encode()
+
+
+def test_python_m_xrec_is_the_xrec_command(tmp_path):
+    done = _xrec(["--help"], _env(tmp_path))
+    assert done.returncode == 0 and done.stdout.startswith("usage: xrec")
+    assert "serve" in done.stdout and "recommend" in done.stdout
