@@ -1,4 +1,4 @@
-"""`xrec bench offline | scaling | breakdown | serve`: argument parsing and dispatch.
+"""`xrec bench offline | scaling | breakdown | serve | embedded`: argument parsing and dispatch.
 
 Every command runs its contenders side by side in one process, prints a Markdown
 table and writes `<out>/<name>-<timestamp>.json`, `.md` and (where a curve says more)
@@ -147,6 +147,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--startup-timeout", type=float, default=120.0)
     # one comparison run is one ~0.1 s burst: 15 of them keep a noisy run off the median
     serve.set_defaults(run=_run("serve"), repeats=15)
+    embedded = sub.add_parser("embedded", help="the engine in a host that runs its own torch "
+                              "work: isolation thread vs process")
+    common(embedded)
+    embedded.add_argument("--beam-width", type=int, default=128)
+    embedded.add_argument("--length", type=int, default=256)
+    embedded.add_argument("--num-requests", type=int, default=16)
+    embedded.add_argument("--conditions", type=_names, default=["alone", "main-op", "host-loop"],
+                          help="host conditions among alone, main-op, host-loop")
+    embedded.add_argument("--isolations", type=_names, default=["thread", "process"],
+                          help="isolation modes among thread, process")
+    embedded.set_defaults(run=_run("embedded"), repeats=7)
     return parser
 
 
@@ -165,6 +176,8 @@ def apply_quick(args: argparse.Namespace) -> None:
     elif args.command == "serve":
         args.rates, args.duration, args.beam_width, args.length = [20.0], 1.0, 8, 16
         args.large, args.num_requests, args.repeats = [16, 64], 4, 1
+    elif args.command == "embedded":
+        args.beam_width, args.length, args.num_requests = 8, 16, 2
 
 
 def _run(command: str):

@@ -1,0 +1,316 @@
+"""ProcessEngine: the engine's pipelines in a child process, the request API here.
+
+Why: libgomp throttles every OpenMP team of a process once the process holds more
+OpenMP threads than cores, so one torch op on a host's long-lived thread slowed the
+in-process pipelines by 30-40% for the rest of the process. A child process has its
+own OpenMP runtime that the host cannot touch.
+
+The edge stays here: requests are validated and prompts tokenized in this process
+(the tokenizer is loaded here; the weights only in the child). Messages, pickled over a
+socket pair (`transport.py`; large arrays through the shared-memory arena):
+
+    parent -> child   ("submit", [(seq, ValidRequest), ...])   ("cancel", seq)
+                      ("hold",) ("release",) ("reports",) ("call", seq, name, args)
+                      ("close", grace_s)
+    child -> parent   ("result", seq, ResponseData) ("error", seq, exception)
+                      ("cancelled", seq) ("return", seq, value) ("report", BatchReport)
+
+Every submitted seq is answered exactly once by the child (result, error or
+cancelled); only then are its arena regions freed. The child's lifetime follows this
+object: `close()`, garbage collection and interpreter exit close it; it exits by itself
+when this process dies; if it dies, every pending future fails with UNAVAILABLE and the
+engine refuses new requests (create a new one).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import weakref
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from xrec.api_types import ValidRequest
+from xrec.engine.frontend import EngineFrontend
+from xrec.engine.transport import Arena, Region, dumps, loads
+from xrec.errors import Internal, Unavailable
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600.0
+CLOSE_MARGIN_S = 10.0
+
+
+@dataclass
+class _Regions:
+    """The arena regions of one submit message and how many of its requests are unanswered."""
+
+    remaining: int
+    regions: list[Region] | None = None    # None until the message is sent
+
+
+@dataclass
+class _Link:
+    """The state the receiver thread shares with the engine (never the engine itself, so
+    that the engine can be garbage-collected while the thread runs)."""
+
+    process: subprocess.Popen
+    conn: Connection
+    arena: Arena
+    pending: dict[int, tuple[Future, _Regions]] = field(default_factory=dict)
+    calls: dict[int, Future] = field(default_factory=dict)
+    hooks: list[Callable] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    error: BaseException | None = None      # set once the child is gone
+
+    def send(self, message: Any) -> list[Region]:
+        data, regions = dumps(message, self.arena)
+        try:
+            with self.send_lock:
+                self.conn.send_bytes(data)
+        except (OSError, ValueError):
+            self.arena.free(regions)
+            raise self.error or Unavailable("the engine process is gone") from None
+        return regions
+
+    def receive(self) -> None:
+        """The receiver thread: answers to futures until the child closes the socket."""
+        while True:
+            try:
+                message = loads(self.conn.recv_bytes(), None)
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            if kind == "report":
+                for hook in self.hooks:
+                    try:
+                        hook(message[1])
+                    except Exception:
+                        logger.exception("report hook failed")
+                continue
+            if kind == "return" or (kind == "error" and message[1] in self.calls):
+                with self.lock:
+                    future = self.calls.pop(message[1])
+                _settle(future, message[2], kind == "error")
+                continue
+            with self.lock:
+                future, shared = self.pending.pop(message[1])
+                shared.remaining -= 1
+                regions = (shared.regions or []) if shared.remaining == 0 else []
+            self.arena.free(regions)
+            if kind == "result":
+                try:
+                    response = message[2].to_response()
+                except Exception as exc:  # a bug here must not stop the receiver
+                    logger.exception("building a response failed")
+                    _settle(future, Internal(f"building the response failed: {exc!r}"), True)
+                else:
+                    _settle(future, response, False)
+            elif kind == "error":
+                _settle(future, message[2], True)
+        self._child_gone()
+
+    def _child_gone(self) -> None:
+        try:
+            code = self.process.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        with self.lock:
+            pending = [future for future, _ in self.pending.values()] + list(self.calls.values())
+            self.pending.clear()
+            self.calls.clear()
+            if self.error is None:
+                self.error = Unavailable(f"the engine process exited ({_describe_exit(code)}); "
+                                         "create a new engine")
+        if pending:
+            logger.error("engine process exited (%s) with %d request(s) pending",
+                         _describe_exit(code), len(pending))
+        for future in pending:
+            _settle(future, Unavailable(f"the engine process exited ({_describe_exit(code)}) "
+                                        "before answering; create a new engine"), True)
+
+
+class ProcessEngine(EngineFrontend):
+    """An `Engine` whose pipelines run in a child process; the same request API.
+
+    >>> engine = Engine.from_pretrained(model_dir, isolation="process")
+    """
+
+    def __init__(self, link: _Link, info: dict, tokenizer: Any):
+        self._link = link
+        self.limits, self.options = info["limits"], info["options"]
+        self.model_name, self.config = info["model_name"], info["config"]
+        self.num_pipelines = info["num_pipelines"]
+        self.workspace_per_pipeline = info["workspace_per_pipeline"]
+        self.info = info
+        self.tokenizer = tokenizer
+        self._seq = itertools.count()
+        self._receiver = threading.Thread(target=link.receive, name="xrec-engine-receive",
+                                          daemon=True)
+        self._receiver.start()
+        self._finalizer = weakref.finalize(self, _shutdown, link, self._receiver, 0.0)
+
+    @classmethod
+    def start(cls, model_dir: str | os.PathLike, catalog: Any, options: dict) -> "ProcessEngine":
+        """Start the child, load the model there; raises what loading raised."""
+        from xrec.tokenizer import PromptTokenizer
+
+        tokenizer = PromptTokenizer.from_model_dir(model_dir)    # the edge: here, not in the child
+        arena = Arena.create()
+        ours, theirs = socket.socketpair()
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "xrec.engine.worker", str(theirs.fileno()), str(arena.fd),
+                 str(arena.size)], pass_fds=(theirs.fileno(), arena.fd), stdin=subprocess.DEVNULL)
+        except BaseException:
+            arena.close()
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        conn = Connection(ours.detach())
+        link = _Link(process, conn, arena)
+        if isinstance(catalog, os.PathLike):
+            catalog = str(catalog)
+        level = logging.getLogger("xrec").getEffectiveLevel()
+        try:
+            link.send((str(Path(model_dir)), catalog, options, level))
+            if not conn.poll(START_TIMEOUT_S):
+                raise TimeoutError(f"the engine process did not load {model_dir} in {START_TIMEOUT_S} s")
+            kind, value = loads(conn.recv_bytes(), None)
+        except BaseException as exc:
+            _shutdown(link, None, 0.0)
+            if isinstance(exc, (EOFError, OSError)):
+                raise RuntimeError(f"the engine process exited while loading {model_dir} "
+                                   f"({_describe_exit(process.poll())})") from None
+            raise
+        if kind == "failed":
+            _shutdown(link, None, 0.0)
+            raise value
+        return cls(link, value, tokenizer)
+
+    # ---- requests ----------------------------------------------------------
+
+    def submit_valid(self, valid: ValidRequest) -> Future:
+        return self.submit_valid_many([valid])[0]
+
+    def submit_valid_many(self, valids: Sequence[ValidRequest]) -> list[Future]:
+        link = self._link
+        if link.error is not None:
+            raise link.error
+        items = [(next(self._seq), valid) for valid in valids]
+        futures = [Future() for _ in items]
+        shared = _Regions(len(items))   # the message's arena regions, freed after its last answer
+        with link.lock:
+            for (seq, _), future in zip(items, futures):
+                link.pending[seq] = (future, shared)
+        try:
+            regions = link.send(("submit", items))
+        except BaseException:
+            with link.lock:
+                for seq, _ in items:
+                    link.pending.pop(seq, None)
+            raise
+        with link.lock:
+            shared.regions = regions
+            is_answered = shared.remaining == 0
+        if is_answered:  # every answer came back before send() returned
+            link.arena.free(regions)
+        for (seq, _), future in zip(items, futures):
+            future.add_done_callback(lambda f, seq=seq: self._on_done(seq, f))
+        return futures
+
+    def _on_done(self, seq: int, future: Future) -> None:
+        if future.cancelled() and self._link.error is None:
+            try:
+                self._link.send(("cancel", seq))
+            except Exception:
+                pass  # the child is gone; its pending futures are failed already
+
+    def hold_wakeups(self) -> None:
+        self._link.send(("hold",))
+
+    def release_wakeups(self) -> None:
+        self._link.send(("release",))
+
+    def add_report_hook(self, hook: Any) -> None:
+        """Call `hook(BatchReport)` after every batch (on this engine's receiver thread)."""
+        if not self._link.hooks:
+            self._link.send(("reports",))
+        self._link.hooks.append(hook)
+
+    def call(self, name: str, *args: Any) -> Any:
+        """Run the child engine's method `name(*args)` and return its (picklable) result."""
+        future: Future = Future()
+        seq = next(self._seq)
+        with self._link.lock:
+            self._link.calls[seq] = future
+        self._link.send(("call", seq, name, args))
+        return future.result()
+
+    # ---- lifecycle ---------------------------------------------------------
+
+    @property
+    def pid(self) -> int:
+        return self._link.process.pid
+
+    def close(self, grace_s: float = 30.0) -> None:
+        """Finish what is queued and running (up to `grace_s`), then stop the child."""
+        self._finalizer.detach()
+        _shutdown(self._link, self._receiver, grace_s)
+
+
+def _settle(future: Future, value: Any, is_error: bool) -> None:
+    if future.cancelled():
+        return
+    try:
+        if is_error:
+            future.set_exception(value)
+        else:
+            future.set_result(value)
+    except Exception:  # cancelled meanwhile
+        pass
+
+
+def _shutdown(link: _Link, receiver: threading.Thread | None, grace_s: float) -> None:
+    """Ask the child to drain and exit; kill it if it does not; fail what is left."""
+    if link.error is None:
+        link.error = Unavailable("engine is closed")
+    process = link.process
+    if process.poll() is None:
+        try:
+            with link.send_lock:
+                link.conn.send_bytes(dumps(("close", grace_s), None)[0])
+        except (OSError, ValueError):
+            pass
+        try:
+            process.wait(timeout=grace_s + CLOSE_MARGIN_S)
+        except subprocess.TimeoutExpired:
+            logger.error("engine process %d did not exit; killing it", process.pid)
+            process.kill()
+            process.wait()
+    if receiver is not None and receiver is not threading.current_thread():
+        receiver.join(timeout=CLOSE_MARGIN_S)
+    link.conn.close()
+    link.arena.close()
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

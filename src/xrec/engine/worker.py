@@ -1,0 +1,162 @@
+"""The child process of an engine with `isolation="process"`.
+
+    python -m xrec.engine.worker SOCKET_FD ARENA_FD ARENA_BYTES
+
+It builds an ordinary in-process `Engine` and serves the parent's messages (see
+`isolated.py` for the protocol) until the parent asks it to close, closes the socket or
+dies. The model loads on a thread that ends, so that no OpenMP team outlives the load:
+the pipelines are this process's only parallel torch work.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+from typing import Any
+
+from xrec.engine.transport import Arena, dumps, loads
+from xrec.errors import Internal
+
+PARENT_POLL_S = 0.2
+
+
+def main(argv: list[str]) -> int:
+    socket_fd, arena_fd, arena_bytes = (int(a) for a in argv)
+    conn, arena = Connection(socket_fd), Arena(arena_fd, arena_bytes)
+    _exit_with_parent(os.getppid())
+    model_dir, catalog, options, log_level = loads(conn.recv_bytes(), None)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(name)s [child] %(message)s")
+    loaded: list[Any] = []
+    loader = threading.Thread(target=_load, args=(model_dir, catalog, options, loaded),
+                              name="xrec-load")
+    loader.start()
+    loader.join()
+    if isinstance(loaded[0], BaseException):
+        conn.send_bytes(dumps(("failed", _picklable(loaded[0])), None)[0])
+        return 1
+    engine = loaded[0]
+    conn.send_bytes(dumps(("ready", _describe(engine)), None)[0])
+    Child(engine, conn, arena).serve()
+    return 0
+
+
+def _load(model_dir: str, catalog: Any, options: dict, out: list) -> None:
+    from xrec.config import EngineOptions
+    from xrec.engine.engine import Engine, load_parts
+    try:
+        out.append(Engine(*load_parts(model_dir, catalog, EngineOptions.from_kwargs(**options)),
+                          answers_as_data=True))
+    except BaseException as exc:
+        out.append(exc)
+
+
+def _describe(engine: Any) -> dict:
+    """What the parent shows of the engine without holding it."""
+    model = engine.model
+    return {"limits": engine.limits, "options": engine.options, "model_name": engine.model_name,
+            "config": model.config, "device": str(model.device), "dtype": str(model.dtype),
+            "num_parameters": sum(p.numel() for p in model.parameters()),
+            "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "num_pipelines": engine.num_pipelines,
+            "workspace_per_pipeline": engine.workspace_per_pipeline,
+            "catalog": None if engine.catalog is None else str(engine.catalog)}
+
+
+class Child:
+    """Serves one parent: submissions, cancels, calls; answers go out on one sender thread."""
+
+    def __init__(self, engine: Any, conn: Connection, arena: Arena):
+        self.engine, self.conn, self.arena = engine, conn, arena
+        self.futures: dict[int, Future] = {}
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.sender = threading.Thread(target=self._send_loop, name="xrec-child-send", daemon=True)
+        self.sender.start()
+
+    def serve(self) -> None:
+        while True:
+            try:
+                message = loads(self.conn.recv_bytes(), self.arena)
+            except (EOFError, OSError):  # the parent closed the socket or died: nobody to answer
+                os._exit(0)
+            kind = message[0]
+            if kind == "submit":
+                self._submit(message[1])
+            elif kind == "cancel":
+                future = self.futures.get(message[1])
+                if future is not None:
+                    future.cancel()
+            elif kind == "hold":
+                self.engine.hold_wakeups()
+            elif kind == "release":
+                self.engine.release_wakeups()
+            elif kind == "reports":
+                self.engine.add_report_hook(lambda report: self.outbox.put(("report", report)))
+            elif kind == "call":
+                threading.Thread(target=self._call, args=message[1:], daemon=True).start()
+            elif kind == "close":
+                self.engine.close(message[1])
+                self.outbox.put(None)
+                self.sender.join()
+                return
+
+    def _submit(self, items: list[tuple[int, Any]]) -> None:
+        try:
+            futures = self.engine.submit_valid_many([valid for _, valid in items])
+        except Exception as exc:  # refused as a whole (closed engine): each gets the error
+            for seq, _ in items:
+                self.outbox.put(("error", seq, _picklable(exc)))
+            return
+        for (seq, _), future in zip(items, futures):
+            self.futures[seq] = future
+            future.add_done_callback(lambda f, seq=seq: self._answer(seq, f))
+
+    def _answer(self, seq: int, future: Future) -> None:
+        self.futures.pop(seq, None)
+        if future.cancelled():
+            self.outbox.put(("cancelled", seq))
+        elif future.exception() is not None:
+            self.outbox.put(("error", seq, _picklable(future.exception())))
+        else:
+            self.outbox.put(("result", seq, future.result()))
+
+    def _call(self, seq: int, name: str, args: tuple) -> None:
+        try:
+            self.outbox.put(("return", seq, getattr(self.engine, name)(*args)))
+        except Exception as exc:
+            self.outbox.put(("error", seq, _picklable(exc)))
+
+    def _send_loop(self) -> None:
+        while (message := self.outbox.get()) is not None:
+            try:
+                self.conn.send_bytes(dumps(message, None)[0])
+            except (OSError, ValueError):
+                os._exit(0)  # the parent is gone
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    """`exc` when it survives pickling with its class, else INTERNAL naming it."""
+    import pickle
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return Internal(f"{type(exc).__name__}: {exc}")
+
+
+def _exit_with_parent(parent: int) -> None:
+    """No orphans: exit when the parent is gone (re-parented), even mid-batch."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(0)
+    threading.Thread(target=watch, name="xrec-parent-watch", daemon=True).start()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

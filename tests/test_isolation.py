@@ -1,0 +1,238 @@
+"""isolation="process": the pipelines in a real child process, the request API here.
+
+Results equal in-thread execution; the child's lifetime follows the engine (close, garbage
+collection, the parent's SIGKILL); a child killed mid-batch fails exactly the pending
+requests; errors keep their classes; arrays cross the shared-memory arena bit-identical."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import wait
+
+import numpy as np
+import pytest
+
+from xrec import DeadlineExceeded, Engine, InvalidArgument, RecRequest, Unavailable
+from xrec.demo import write_random_model
+from xrec.engine.transport import ARENA_MIN_BYTES, Arena, dumps, loads
+from xrec.model.loader import CheckpointError
+
+WAIT_S = 60.0  # bound on every wait: a broken engine fails the test instead of hanging it
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_random_model(tmp_path_factory.mktemp("tiny"), "tiny", seed=3, num_items=300)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    with Engine.from_pretrained(model_dir, isolation="process", device="cpu") as engine:
+        yield engine
+
+
+def _requests(num: int, width: int = 8) -> list[RecRequest]:
+    return [RecRequest(token_ids=[(7 * i + j) % 60 for j in range(3 + i % 5)], beam_width=width,
+                       request_id=f"r{i}") for i in range(num)]
+
+
+def _embedding_requests(d_model: int, num: int) -> list[RecRequest]:
+    rng = np.random.default_rng(5)
+    return [RecRequest(sparse_embedding=rng.standard_normal((1 + 40 * i, d_model), dtype=np.float32),
+                       decoder_context_embedding=rng.standard_normal((2, d_model), dtype=np.float32)
+                       if i % 2 else None, beam_width=16, num_return_sequences=5, request_id=f"e{i}")
+            for i in range(num)]
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pid: int) -> bool:
+    deadline = time.monotonic() + WAIT_S
+    while _is_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _is_alive(pid)
+
+
+def test_results_equal_in_thread_execution(model_dir, engine):
+    requests = _requests(6) + _embedding_requests(engine.limits.d_model, 4)
+    with Engine.from_pretrained(model_dir, isolation="thread", device="cpu") as in_thread:
+        expected = in_thread.recommend(requests)
+    got = engine.recommend(requests)
+    # tokens, scores, log-probs, items, ids and usage, bit for bit (timings differ)
+    assert [(r.request_id, r.results, r.usage) for r in got] == \
+        [(r.request_id, r.results, r.usage) for r in expected]
+    assert engine.pid != os.getpid() and _is_alive(engine.pid)
+
+
+def test_edge_errors_are_raised_here_and_child_errors_keep_their_class(model_dir, engine):
+    with pytest.raises(InvalidArgument, match="beam_width"):        # validated in this process
+        engine.submit(RecRequest(token_ids=[1, 2], beam_width=10**6))
+    late = engine.submit(RecRequest(token_ids=[1, 2], beam_width=4, timeout_ms=1e-3,
+                                    request_id="late"))
+    with pytest.raises(DeadlineExceeded) as info:                   # raised in the child
+        late.result(WAIT_S)
+    assert info.value.request_id == "late" and info.value.code == "DEADLINE_EXCEEDED"
+    (model_dir.parent / "broken").mkdir(exist_ok=True)
+    broken = model_dir.parent / "broken"
+    for name in os.listdir(model_dir):
+        target = broken / name
+        if not target.exists():
+            target.symlink_to(model_dir / name)
+    os.unlink(broken / "model.safetensors")
+    (broken / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    with pytest.raises(CheckpointError):                            # raised while loading there
+        Engine.from_pretrained(broken, isolation="process")
+
+
+def test_cancel_report_hooks_and_bursts(engine):
+    reports = []
+    engine.add_report_hook(reports.append)
+    engine.hold_wakeups()
+    futures = engine.submit_many(_requests(8))
+    assert futures[-1].cancel()            # the child drops it or finishes it; nobody waits for it
+    engine.release_wakeups()
+    done, _ = wait(futures[:-1], WAIT_S)
+    assert len(done) == 7 and all(f.result().results for f in futures[:-1])
+    deadline = time.monotonic() + WAIT_S
+    while not reports and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert reports and reports[0].num_requests >= 1
+
+
+def test_child_killed_mid_batch_fails_exactly_the_pending_requests(model_dir):
+    engine = Engine.from_pretrained(model_dir, isolation="process", device="cpu",
+                                    max_seqs_per_batch=1)
+    answered = engine.recommend(_requests(2))
+    pending = [engine.submit(RecRequest(token_ids=[i % 60 for i in range(200)], beam_width=256))
+               for _ in range(4)]
+    os.kill(engine.pid, signal.SIGKILL)
+    outcomes = []
+    for future in pending:   # each answered exactly once: a result, or the child's death
+        try:
+            outcomes.append(bool(future.result(WAIT_S).results))
+        except Unavailable as e:
+            assert "killed by SIGKILL" in str(e) and "create a new engine" in str(e)
+            outcomes.append("failed")
+    assert outcomes[-1] == "failed" and set(outcomes) <= {True, "failed"}
+    assert all(r.results for r in answered)
+    with pytest.raises(Unavailable, match="create a new engine"):
+        engine.submit(RecRequest(token_ids=[1]))
+    engine.close()
+    with Engine.from_pretrained(model_dir, isolation="process", device="cpu") as again:
+        assert again.recommend(_requests(1))[0].results
+
+
+def test_close_and_garbage_collection_end_the_child(model_dir):
+    engine = Engine.from_pretrained(model_dir, isolation="process", device="cpu")
+    futures = engine.submit_many(_requests(4))
+    pid = engine.pid
+    engine.close(grace_s=WAIT_S)
+    assert all(f.result(0).results for f in futures)    # close drains what was queued
+    assert _wait_gone(pid)
+    with pytest.raises(Unavailable):
+        engine.submit(RecRequest(token_ids=[1]))
+    engine = Engine.from_pretrained(model_dir, isolation="process", device="cpu")
+    pid = engine.pid
+    del engine
+    gc.collect()
+    assert _wait_gone(pid)
+
+
+def test_parent_killed_leaves_no_child(model_dir):
+    script = textwrap.dedent(f"""
+        import sys, time
+        from xrec import Engine, RecRequest
+        engine = Engine.from_pretrained({str(model_dir)!r}, isolation="process", device="cpu")
+        engine.submit(RecRequest(token_ids=[i % 60 for i in range(200)], beam_width=512))  # mid-batch
+        print(engine.pid, flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert _is_alive(child)
+    finally:
+        parent.kill()
+        parent.wait()
+    assert _wait_gone(child)
+
+
+ECHO = textwrap.dedent("""
+    import hashlib, sys
+    from multiprocessing.connection import Connection
+    from xrec.engine.transport import Arena, loads
+    conn, arena = Connection(int(sys.argv[1])), Arena(int(sys.argv[2]), int(sys.argv[3]))
+    while True:
+        try:
+            message = loads(conn.recv_bytes(), arena)
+        except EOFError:
+            break
+        digest = [hashlib.sha256(a.tobytes()).hexdigest() + str(a.dtype) + str(a.shape)
+                  for a in (message.sparse_embedding, message.context, message.token_ids)
+                  if a is not None]
+        conn.send(digest)
+""")
+
+
+def test_every_embedding_shape_crosses_the_arena_bit_identical(model_dir, engine):
+    """1,000 requests of every length up to max_input_len, in a real child process; the
+    arena is small enough that some messages take the in-band fallback."""
+    import socket
+    from multiprocessing.connection import Connection
+
+    limits = engine.limits
+    arena = Arena.create(1 << 20)
+    ours, theirs = socket.socketpair()
+    child = subprocess.Popen([sys.executable, "-c", ECHO, str(theirs.fileno()), str(arena.fd),
+                              str(arena.size)], pass_fds=(theirs.fileno(), arena.fd))
+    theirs.close()
+    conn = Connection(ours.detach())
+    rng = np.random.default_rng(0)
+    kinds = set()
+    try:
+        for i in range(1000):
+            length = 1 + (i * 37) % limits.max_input_len
+            request = RecRequest(
+                sparse_embedding=rng.standard_normal((length, limits.d_model), dtype=np.float32),
+                decoder_context_embedding=None if i % 3 else
+                rng.standard_normal((1 + i % 7, limits.d_model), dtype=np.float32))
+            valid = engine.validate(request)
+            data, regions = dumps(valid, arena)
+            kinds.add("arena" if regions else "in-band")
+            conn.send_bytes(data)
+            expected = [hashlib.sha256(a.tobytes()).hexdigest() + str(a.dtype) + str(a.shape)
+                        for a in (valid.sparse_embedding, valid.context, valid.token_ids)
+                        if a is not None]
+            assert conn.recv() == expected, f"request {i} (length {length})"
+            arena.free(regions)
+    finally:
+        conn.close()
+        child.wait(WAIT_S)
+    assert arena.free_bytes == arena.size
+    assert kinds == {"arena", "in-band"}
+    assert limits.max_input_len * limits.d_model * 4 > ARENA_MIN_BYTES
+
+
+def test_arena_allocator_coalesces_and_refuses_when_full():
+    arena = Arena.create(1 << 16)
+    big = np.ones(40_000, dtype=np.uint8)
+    first = dumps({"a": big}, arena)[1]
+    assert first and dumps({"b": big}, arena)[1] == []     # no room: in-band, not refused
+    second = dumps({"c": np.ones(20_000, dtype=np.uint8)}, arena)[1]
+    arena.free(first)
+    arena.free(second)
+    assert arena.free_bytes == arena.size and len(arena._free) == 1
+    assert loads(dumps({"b": big}, arena)[0], arena)["b"].sum() == big.sum()
