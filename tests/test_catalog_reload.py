@@ -387,3 +387,20 @@ def test_hot_reload_under_load(model_dir, tmp_path):
             ids = set(catalog.item_ids[rows].tolist())
             assert ids, (rid, version, result["tokens"])           # a triple of that catalog
             assert {item["item_id"] for item in result["items"]} <= ids, (rid, version)
+
+
+def test_process_isolated_engine_reloads_in_its_child(model_dir, tmp_path):
+    with Engine.from_pretrained(model_dir, device="cpu", isolation="process") as engine:
+        first = engine.catalog_version
+        assert first.num_items == 500 and engine.previous_catalog_version is None
+        new = catalog_of(30)
+        new.write(tmp_path / "p.bin")
+        version = engine.load_catalog(tmp_path / "p.bin")
+        assert version.content_hash == new.content_hash() == engine.catalog_version.content_hash
+        response = engine.recommend(RecRequest(token_ids=[1, 2, 3], beam_width=4))[0]
+        assert response.catalog_version == version.content_hash and items_match(new, response)
+        with pytest.raises(InvalidArgument, match="none.bin"):
+            engine.load_catalog(tmp_path / "none.bin")
+        assert engine.catalog_version == version
+        engine.load_catalog(new)                              # an ItemCatalog crosses too
+        assert engine.restore_catalog() == version

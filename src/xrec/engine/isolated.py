@@ -10,7 +10,8 @@ The edge stays here: requests are validated and prompts tokenized in this proces
 socket pair (`transport.py`; large arrays through the shared-memory arena):
 
     parent -> child   ("submit", [(seq, ValidRequest), ...])   ("cancel", seq)
-                      ("hold",) ("release",) ("reports",) ("call", seq, name, args)
+                      ("hold",) ("release",) ("reports",)
+                      ("call", seq, name, args | None: an attribute)
                       ("close", grace_s)
     child -> parent   ("result", seq, ResponseData) ("error", seq, exception)
                       ("cancelled", seq) ("return", seq, value) ("report", BatchReport)
@@ -206,12 +207,12 @@ class ProcessEngine(EngineFrontend):
 
     def submit_valid_many(self, valids: Sequence[ValidRequest]) -> list[Future]:
         link = self._link
-        if link.error is not None:
-            raise link.error
         items = [(next(self._seq), valid) for valid in valids]
         futures = [Future() for _ in items]
         shared = _Regions(len(items))   # the message's arena regions, freed after its last answer
-        with link.lock:
+        with link.lock:                 # the child's death is noticed under this lock too
+            if link.error is not None:
+                raise link.error
             for (seq, _), future in zip(items, futures):
                 link.pending[seq] = (future, shared)
         try:
@@ -251,12 +252,57 @@ class ProcessEngine(EngineFrontend):
 
     def call(self, name: str, *args: Any) -> Any:
         """Run the child engine's method `name(*args)` and return its (picklable) result."""
+        return self._remote(name, args)
+
+    def get(self, name: str) -> Any:
+        """The child engine's attribute `name` (picklable)."""
+        return self._remote(name, None)
+
+    def _remote(self, name: str, args: tuple | None) -> Any:
         future: Future = Future()
         seq = next(self._seq)
         with self._link.lock:
+            if self._link.error is not None:
+                raise self._link.error
             self._link.calls[seq] = future
         self._link.send(("call", seq, name, args))
         return future.result()
+
+    # ---- the catalog (hot reload, run in the child) --------------------------
+
+    @property
+    def catalog_version(self) -> Any:
+        """The current catalog's version (content hash, item count, loaded at), or None."""
+        return self.get("catalog_version")
+
+    @property
+    def previous_catalog_version(self) -> Any:
+        return self.get("previous_catalog_version")
+
+    def load_catalog(self, catalog: Any, extended: bool | None = None) -> Any:
+        """`Engine.load_catalog`, in the child (a path is read there)."""
+        return self.call("load_catalog", str(catalog) if isinstance(catalog, os.PathLike) else catalog,
+                         extended)
+
+    def restore_catalog(self) -> Any:
+        return self.call("restore_catalog")
+
+    # ---- the catalog (hot reload: the child engine's, engine/catalogs.py) -----
+
+    def load_catalog(self, catalog: Any, extended: bool | None = None) -> Any:
+        return self.call("load_catalog", os.fspath(catalog) if isinstance(catalog, os.PathLike)
+                         else catalog, extended)
+
+    def restore_catalog(self) -> Any:
+        return self.call("restore_catalog")
+
+    @property
+    def catalog_version(self) -> Any:
+        return self.call("__getattribute__", "catalog_version")
+
+    @property
+    def previous_catalog_version(self) -> Any:
+        return self.call("__getattribute__", "previous_catalog_version")
 
     # ---- lifecycle ---------------------------------------------------------
 
