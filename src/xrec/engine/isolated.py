@@ -287,23 +287,6 @@ class ProcessEngine(EngineFrontend):
     def restore_catalog(self) -> Any:
         return self.call("restore_catalog")
 
-    # ---- the catalog (hot reload: the child engine's, engine/catalogs.py) -----
-
-    def load_catalog(self, catalog: Any, extended: bool | None = None) -> Any:
-        return self.call("load_catalog", os.fspath(catalog) if isinstance(catalog, os.PathLike)
-                         else catalog, extended)
-
-    def restore_catalog(self) -> Any:
-        return self.call("restore_catalog")
-
-    @property
-    def catalog_version(self) -> Any:
-        return self.call("__getattribute__", "catalog_version")
-
-    @property
-    def previous_catalog_version(self) -> Any:
-        return self.call("__getattribute__", "previous_catalog_version")
-
     # ---- lifecycle ---------------------------------------------------------
 
     @property
