@@ -112,6 +112,24 @@ def test_cancel_report_hooks_and_bursts(engine):
     assert reports and reports[0].num_requests >= 1
 
 
+def test_catalog_hot_reload_runs_in_the_child(model_dir, engine, tmp_path):
+    from xrec.catalog import random_catalog
+    from xrec.errors import InvalidArgument as Invalid
+
+    first = engine.catalog_version
+    random_catalog(50, engine.limits.vocab_size, 9).write(tmp_path / "new.bin")
+    loaded = engine.load_catalog(tmp_path / "new.bin")
+    assert engine.catalog_version == loaded and loaded.num_items == 50
+    assert engine.previous_catalog_version == first
+    response = engine.recommend(_requests(1))[0]
+    assert response.catalog_version == loaded.content_hash
+    assert engine.restore_catalog() == first and engine.catalog_version == first
+    (tmp_path / "bad.bin").write_bytes(b"not a catalog")
+    with pytest.raises(Invalid):                    # the child's error class, here
+        engine.load_catalog(tmp_path / "bad.bin")
+    assert engine.catalog_version == first
+
+
 def test_child_killed_mid_batch_fails_exactly_the_pending_requests(model_dir):
     engine = Engine.from_pretrained(model_dir, isolation="process", device="cpu",
                                     max_seqs_per_batch=1)

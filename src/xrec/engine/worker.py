@@ -125,9 +125,11 @@ class Child:
         else:
             self.outbox.put(("result", seq, future.result()))
 
-    def _call(self, seq: int, name: str, args: tuple) -> None:
+    def _call(self, seq: int, name: str, args: tuple | None) -> None:
+        """The engine's method `name(*args)`, or its attribute `name` when `args` is None."""
         try:
-            self.outbox.put(("return", seq, getattr(self.engine, name)(*args)))
+            value = getattr(self.engine, name)
+            self.outbox.put(("return", seq, value if args is None else value(*args)))
         except Exception as exc:
             self.outbox.put(("error", seq, _picklable(exc)))
 
