@@ -399,7 +399,9 @@ def create_app(engine: Any, *, served_model_name: str | None = None, api_key: st
             return error_response(NotFound(f"no route {request.method} {request.url.path}"))
         error = InvalidArgument(f"{request.method} {request.url.path}: {exc.detail}")
         error.http_status = exc.status_code
-        return error_response(error)
+        response = error_response(error)
+        response.headers.update(exc.headers or {})   # 405: Allow (RFC 9110)
+        return response
 
     from xrec.server.admin import add_catalog_routes   # admin.py imports this module
     add_catalog_routes(app, service)

@@ -119,6 +119,21 @@ class ChatResponse(BaseModel):
     usage: dict[str, int]
 
 
+# route -> request examples valid for any served model of the route's family
+EXAMPLES = {
+    "/v1/rec/completions": {
+        "token_ids": {"value": {"token_ids": [1, 2, 3], "beam_width": 8, "top_k": 16,
+                                "num_return_sequences": 4, "request_id": "req-1"}},
+        "defaults": {"value": {"token_ids": [3, 1, 2]}}},
+    "/v1/completions": {
+        "token_ids": {"value": {"token_ids": [1, 2, 3], "beam_width": 8, "logprobs": True,
+                                "max_tokens": 3, "routing": {"prefill_name": "p",
+                                                             "decode_name": "d"}}}},
+    "/v1/chat/completions": {
+        "messages": {"value": {"messages": [{"role": "user", "content": "What next?"}],
+                               "beam_width": 8, "n": 4, "logprobs": True}}},
+}
+
 # route -> (summary, request model, response model)
 COMPLETIONS = {
     "/v1/rec/completions": ("Recommend (native)", schemas.NativeRequest, NativeResponse),
@@ -149,7 +164,8 @@ def document(is_auth_on: bool, title: str = "xrec", version: str = "0") -> dict:
         paths[path] = {"post": {
             "summary": summary,
             "requestBody": {"required": True,
-                            "content": {"application/json": {"schema": ref(request)}}},
+                            "content": {"application/json": {"schema": ref(request),
+                                                             "examples": EXAMPLES[path]}}},
             "responses": {"200": {"description": "results, best first",
                                   "content": {"application/json": {"schema": ref(response)}}},
                           **errors}}}
