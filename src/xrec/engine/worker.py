@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import sys
 import threading
 import time
@@ -69,14 +68,13 @@ def _describe(engine: Any) -> dict:
 
 
 class Child:
-    """Serves one parent: submissions, cancels, calls; answers go out on one sender thread."""
+    """Serves one parent: submissions, cancels, calls. Answers are sent by the thread that
+    has them (a pipeline, as its batch ends): one short socket write, no extra hop."""
 
     def __init__(self, engine: Any, conn: Connection, arena: Arena):
         self.engine, self.conn, self.arena = engine, conn, arena
         self.futures: dict[int, Future] = {}
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.sender = threading.Thread(target=self._send_loop, name="xrec-child-send", daemon=True)
-        self.sender.start()
+        self.send_lock = threading.Lock()
 
     def serve(self) -> None:
         while True:
@@ -96,13 +94,11 @@ class Child:
             elif kind == "release":
                 self.engine.release_wakeups()
             elif kind == "reports":
-                self.engine.add_report_hook(lambda report: self.outbox.put(("report", report)))
+                self.engine.add_report_hook(lambda report: self.send(("report", report)))
             elif kind == "call":
                 threading.Thread(target=self._call, args=message[1:], daemon=True).start()
             elif kind == "close":
-                self.engine.close(message[1])
-                self.outbox.put(None)
-                self.sender.join()
+                self.engine.close(message[1])   # every answer is sent when this returns
                 return
 
     def _submit(self, items: list[tuple[int, Any]]) -> None:
@@ -110,7 +106,7 @@ class Child:
             futures = self.engine.submit_valid_many([valid for _, valid in items])
         except Exception as exc:  # refused as a whole (closed engine): each gets the error
             for seq, _ in items:
-                self.outbox.put(("error", seq, _picklable(exc)))
+                self.send(("error", seq, _picklable(exc)))
             return
         for (seq, _), future in zip(items, futures):
             self.futures[seq] = future
@@ -119,26 +115,27 @@ class Child:
     def _answer(self, seq: int, future: Future) -> None:
         self.futures.pop(seq, None)
         if future.cancelled():
-            self.outbox.put(("cancelled", seq))
+            self.send(("cancelled", seq))
         elif future.exception() is not None:
-            self.outbox.put(("error", seq, _picklable(future.exception())))
+            self.send(("error", seq, _picklable(future.exception())))
         else:
-            self.outbox.put(("result", seq, future.result()))
+            self.send(("result", seq, future.result()))
 
     def _call(self, seq: int, name: str, args: tuple | None) -> None:
         """The engine's method `name(*args)`, or its attribute `name` when `args` is None."""
         try:
             value = getattr(self.engine, name)
-            self.outbox.put(("return", seq, value if args is None else value(*args)))
+            self.send(("return", seq, value if args is None else value(*args)))
         except Exception as exc:
-            self.outbox.put(("error", seq, _picklable(exc)))
+            self.send(("error", seq, _picklable(exc)))
 
-    def _send_loop(self) -> None:
-        while (message := self.outbox.get()) is not None:
-            try:
-                self.conn.send_bytes(dumps(message, None)[0])
-            except (OSError, ValueError):
-                os._exit(0)  # the parent is gone
+    def send(self, message: tuple) -> None:
+        data = dumps(message, None)[0]
+        try:
+            with self.send_lock:
+                self.conn.send_bytes(data)
+        except (OSError, ValueError):
+            os._exit(0)  # the parent is gone
 
 
 def _picklable(exc: BaseException) -> BaseException:
