@@ -1,9 +1,9 @@
 """The wire between an engine and its child process: pickled messages over a socket,
 large arrays through a shared-memory arena.
 
-`Arena` is one anonymous shared-memory file (`memfd_create`, its pages reserved with
-`posix_fallocate` so that a full /dev/shm fails at start, never later with SIGBUS),
-mapped by both processes. The parent owns its allocator: a message's large buffers
+`Arena` is one anonymous shared-memory file (`memfd_create`: no name in /dev/shm, so
+nothing to leak whoever dies; its pages are allocated on first use), mapped by both
+processes. The parent owns its allocator: a message's large buffers
 (numpy arrays of `ARENA_MIN_BYTES` or more, found by pickle protocol 5) are copied into
 free regions and only their offsets cross the socket; the child unpickles arrays that
 view the arena directly (no second copy). The parent frees a request's regions when its
@@ -41,11 +41,11 @@ class Arena:
     def create(cls, size: int = ARENA_BYTES) -> "Arena":
         fd = os.memfd_create("xrec-arena", 0)         # inheritable=False; passed explicitly
         try:
-            os.posix_fallocate(fd, 0, size)
+            os.ftruncate(fd, size)
+            return cls(fd, size)
         except OSError:
             os.close(fd)
             raise
-        return cls(fd, size)
 
     def allocate(self, nbytes: int) -> int | None:
         """The offset of a free region of `nbytes` (first fit), or None when none is free."""
