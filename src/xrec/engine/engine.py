@@ -237,6 +237,17 @@ class Engine(EngineFrontend):
         self.scheduler.close(grace_s)
         self.executor.close(grace_s)
 
+    def describe(self) -> dict:
+        """What start-up logs and a process-isolated engine's parent show (plain values)."""
+        model = self.model
+        return {"limits": self.limits, "options": self.options, "model_name": self.model_name,
+                "config": model.config, "device": str(model.device), "dtype": str(model.dtype),
+                "num_parameters": sum(p.numel() for p in model.parameters()),
+                "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+                "num_pipelines": self.num_pipelines,
+                "workspace_per_pipeline": self.workspace_per_pipeline,
+                "catalog": None if self.catalog is None else str(self.catalog)}
+
     def add_report_hook(self, hook: Any) -> None:
         """Call `hook(BatchReport)` after every batch (metrics)."""
         self._report_hooks.append(hook)

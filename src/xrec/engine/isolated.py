@@ -153,7 +153,7 @@ class ProcessEngine(EngineFrontend):
         self.model_name, self.config = info["model_name"], info["config"]
         self.num_pipelines = info["num_pipelines"]
         self.workspace_per_pipeline = info["workspace_per_pipeline"]
-        self.info = info
+        self._info = info
         self.tokenizer = tokenizer
         self._seq = itertools.count()
         self._receiver = threading.Thread(target=link.receive, name="xrec-engine-receive",
@@ -199,6 +199,10 @@ class ProcessEngine(EngineFrontend):
             _shutdown(link, None, 0.0)
             raise value
         return cls(link, value, tokenizer)
+
+    def describe(self) -> dict:
+        """`Engine.describe()` of the child's engine, as it was at start."""
+        return dict(self._info)
 
     # ---- requests ----------------------------------------------------------
 

@@ -40,7 +40,7 @@ def main(argv: list[str]) -> int:
         conn.send_bytes(dumps(("failed", _picklable(loaded[0])), None)[0])
         return 1
     engine = loaded[0]
-    conn.send_bytes(dumps(("ready", _describe(engine)), None)[0])
+    conn.send_bytes(dumps(("ready", engine.describe()), None)[0])
     Child(engine, conn, arena).serve()
     return 0
 
@@ -53,18 +53,6 @@ def _load(model_dir: str, catalog: Any, options: dict, out: list) -> None:
                           answers_as_data=True))
     except BaseException as exc:
         out.append(exc)
-
-
-def _describe(engine: Any) -> dict:
-    """What the parent shows of the engine without holding it."""
-    model = engine.model
-    return {"limits": engine.limits, "options": engine.options, "model_name": engine.model_name,
-            "config": model.config, "device": str(model.device), "dtype": str(model.dtype),
-            "num_parameters": sum(p.numel() for p in model.parameters()),
-            "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-            "num_pipelines": engine.num_pipelines,
-            "workspace_per_pipeline": engine.workspace_per_pipeline,
-            "catalog": None if engine.catalog is None else str(engine.catalog)}
 
 
 class Child:
