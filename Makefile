@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PORT   ?= 8000
 
-.PHONY: setup serve test bench clean
+.PHONY: setup serve test bench mutate clean
 
 $(VENV)/.installed-%: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,5 +26,15 @@ test: $(VENV)/.installed-test
 bench: $(VENV)/.installed-bench
 	$(VENV)/bin/xrec bench $(BENCH_ARGS)
 
+# Mutation testing (DEVELOPERS.md): mutmut over search/, model/, catalog*, engine/ and the
+# request schemas, with the fast tests only ([tool.mutmut] in pyproject.toml); not CI.
+# MUTANTS narrows it (mutmut's names, globs allowed): make mutate MUTANTS='xrec.search.*'
+# Results stay in mutants/; a second run re-checks only what changed.
+MUTANTS ?=
+MUTATE_CHILDREN ?= 2
+mutate: $(VENV)/.installed-test $(VENV)/.installed-mutate
+	nice -n 19 env OMP_NUM_THREADS=1 $(VENV)/bin/mutmut run --max-children $(MUTATE_CHILDREN) $(MUTANTS)
+	$(PY) tests/mutation_score.py --survivors
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build src/*.egg-info
+	rm -rf $(VENV) .pytest_cache .hypothesis build src/*.egg-info mutants

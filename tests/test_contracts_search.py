@@ -99,6 +99,8 @@ def test_select_top_orders_negative_scores_and_treats_minus_zero_as_zero():
     values, indices = select_top(scores, 6)
     assert indices.tolist() == [[1, 3, 5, 0, 2, 4]]   # -0.0 and 0.0 tie: lower index first
     assert values[0, -1].item() == -INF
+    # exact float order, not order after rounding (0.0 and -1e-30 are one value plus 1.0)
+    assert select_top(torch.tensor([[-1e-30, 0.0, 1e-30]]), 3)[1].tolist() == [[2, 1, 0]]
 
 
 def test_select_top_works_per_row():
