@@ -30,6 +30,7 @@ from test_server import (API_KEY, D_MODEL, NATIVE, VALID, WAIT_S, XLLM, Gate,  #
                          model_dir, post_in_thread, start_serve, wait_until)
 
 from xrec import Engine  # noqa: E402
+from xrec.demo import write_random_model  # noqa: E402
 from xrec.server import schemas  # noqa: E402
 from xrec.server.app import create_app  # noqa: E402
 from xrec.server.limits import ConnectionLimits  # noqa: E402
@@ -320,6 +321,38 @@ def test_requests_unfinished_after_the_grace_period_get_503_json(model_dir):
         if running.thread.is_alive():
             running.stop()
         engine.close(5)
+
+
+def test_the_process_answers_503_and_exits_0_when_a_batch_outlasts_the_grace_period(tmp_path):
+    """The issue's run, smaller: one big batch (32 x 4096 tokens, W=512) is running at
+    SIGTERM with no grace period: its clients get 503 JSON and `xrec serve` exits 0 without
+    waiting for it (interpreter shutdown with torch on a pipeline thread aborted, 134)."""
+    model = write_random_model(tmp_path / "m", "onerec-0.015b", seed=0, num_items=1000)
+    log_path = tmp_path / "serve.log"
+    proc, url, _ = start_serve(["--model", str(model), "--device", "cpu", "--grace-s", "0",
+                                "--max-tokens-per-batch", "300000", "--max-beams-per-batch",
+                                "16384", "--batch-wait-ms", "2000"], _env(tmp_path), log_path)
+    try:
+        results: list = []
+        heavy = {"token_ids": [i % 8000 for i in range(4096)], "beam_width": 512}
+        threads = [post_in_thread(url + NATIVE, heavy, results) for _ in range(32)]
+        assert wait_until(lambda: metric(url, "xrec_batches_running") >= 1, interval=0.02)
+        proc.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(WAIT_S * 2)
+        assert len(results) == 32
+        statuses = [getattr(r, "status_code", repr(r)) for r in results]
+        assert set(statuses) <= {200, 503} and 503 in statuses, statuses
+        for response in results:
+            if response.status_code == 503:
+                assert response.headers["content-type"] == "application/json"
+                assert_error(response, 503, "UNAVAILABLE")
+        assert proc.wait(timeout=WAIT_S * 2) == 0, log_path.read_text()
+        assert "Traceback" not in log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 # ---- 8, 9, 12, python -m xrec: the process -----------------------------------------------------

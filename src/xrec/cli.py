@@ -213,7 +213,7 @@ def _recommend(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from xrec.server.run import serve
-    return serve(args, _model_dir(args), engine_options(args), restore_signals=False)
+    return serve(args, _model_dir(args), engine_options(args), owns_process=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,10 @@ UNAVAILABLE, and so is a request whose batch is still running then: the
 batch finishes, its answer is dropped); once every HTTP request in flight has
 been answered (bounded wait), uvicorn stops and the process exits 0. Later
 signals are ignored until the process has exited: the drain is bounded by the
-grace period, never killed mid-batch.
+grace period, never killed mid-batch. A batch still running then is not waited
+for: its clients have their answer, and the `xrec serve` process leaves at once
+(`os._exit(0)`): interpreter shutdown with torch running on a pipeline thread
+aborts ("terminate called without an active exception", status 134).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import os
 import resource
 import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -101,10 +105,11 @@ def server_config(app: Any, limits: ConnectionLimits, verbose: bool = False,
 
 
 def serve(args: argparse.Namespace, model_dir: str, engine_options: dict[str, Any],
-          restore_signals: bool = True) -> int:
+          owns_process: bool = False) -> int:
     """Run the server until a signal drains it; 0 after a clean drain, 1 if loading failed.
-    `restore_signals=False` (the `xrec serve` process): SIGTERM / SIGINT stay ignored
-    after the drain, until the process has exited."""
+    `owns_process` (the `xrec serve` process): SIGTERM / SIGINT stay ignored after the
+    drain, until the process has exited, and the process leaves at once when a batch
+    still runs past the grace period."""
     if logger.getEffectiveLevel() > logging.INFO:
         logger.setLevel(logging.INFO)  # the start-up lines show without -v
     api_key = args.api_key if args.api_key is not None else os.environ.get("XREC_API_KEY")
@@ -126,16 +131,27 @@ def serve(args: argparse.Namespace, model_dir: str, engine_options: dict[str, An
     server = DrainingServer(config, service, args.grace_s)
     previous = _install_signal_handlers(server.handle_exit)
     try:
-        return _run(server, sock, args, model_dir, engine_options, name, api_key)
+        status = _run(server, sock, args, model_dir, engine_options, name, api_key)
     finally:
         sock.close()
         if previous is not None:
-            if restore_signals:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-            else:
-                for sig in SIGNALS:
-                    signal.signal(sig, signal.SIG_IGN)
+            for sig, handler in previous.items():
+                signal.signal(sig, signal.SIG_IGN if owns_process else handler)
+    if owns_process:
+        _exit_now_if_busy(service.engine, status)
+    return status
+
+
+def _exit_now_if_busy(engine: Any, status: int) -> None:
+    """Leave the process at once when a pipeline still runs a batch (module docstring)."""
+    num_busy = getattr(getattr(engine, "executor", None), "num_busy", 0)
+    if num_busy:
+        logger.warning("xrec serve: %d batch(es) still running past the grace period (their "
+                       "requests were answered UNAVAILABLE); exiting without waiting", num_busy)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 def _run(server: DrainingServer, sock: socket.socket, args: argparse.Namespace, model_dir: str,
