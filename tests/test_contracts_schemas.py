@@ -209,3 +209,88 @@ def test_native_response_carries_the_results_themselves():
     body = native_response(response, "m")
     assert body["id"] == "rid" and body["model"] == "m" and body["results"] is response.results
     assert body["usage"] == {"input_tokens": 3} and body["timing"] == {"run_ms": 1.0}
+
+
+# ---- written against the survivors of the first `make mutate` ----------------------------
+
+def test_every_native_field_reaches_the_request():
+    messages = [{"role": "user", "content": "hi"}]
+    request = native(prompt="hello", messages=messages)
+    assert (request.token_ids, request.prompt, request.messages) == ([1, 2], "hello", messages)
+    assert request.request_id == "rid"
+    assert xllm(prompt="hello").prompt == "hello"
+
+
+@pytest.mark.parametrize("field", ["sparse_embedding", "decoder_context_embedding"])
+def test_embedding_errors_name_the_field_and_the_part(field):
+    with pytest.raises(InvalidArgument, match=rf"^{field}\.data: got 1 values, shape \[1, 2\]"):
+        native(**{field: {"shape": [1, 2], "data": [1.0]}})
+    with pytest.raises(InvalidArgument, match=rf"^{field}\.shape: got \[1\]"):
+        native(**{field: {"shape": [1], "b64": "AAAAAA=="}})
+
+
+def test_xllm_tensor_errors_name_the_tensor():
+    tensor = {"name": "sparse_embedding", "data_type": "FLOAT", "shape": [1, 2],
+              "contents": {"fp32_contents": [1.0]}}
+    with pytest.raises(InvalidArgument, match=r"^input_tensors\[0\]\.contents\.fp32_contents: "
+                                              r"got 1 values"):
+        xllm(input_tensors=[tensor])
+
+
+def test_overflowing_floats_become_inf_without_a_warning():
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        request = native(sparse_embedding={"shape": [1, 1], "data": [1e39]})
+    assert np.isinf(request.sparse_embedding).all()
+
+
+def test_shapes_of_up_to_four_numbers_are_repeated_in_the_message():
+    with pytest.raises(InvalidArgument, match=r"got \[1, 2, 3, 4\], expected"):
+        native(sparse_embedding={"shape": [1, 2, 3, 4], "data": [1.0]})
+
+
+def test_value_count_is_not_counted_for_a_body_no_longer_than_the_limit():
+    check_value_count(b",,,", 3)              # 4 values by commas, but only 3 bytes
+    with pytest.raises(PayloadTooLarge):
+        check_value_count(b",,,,", 3)
+
+
+def test_request_id_characters_from_bang_to_tilde_are_allowed():
+    assert request_id_of(NativeRequest(request_id="!az~")) == "!az~"
+    with pytest.raises(InvalidArgument, match="U\\+007F at position 0"):
+        request_id_of(NativeRequest(request_id="\x7f"))
+
+
+def test_schema_error_messages_exactly():
+    with pytest.raises(SchemaError) as info:
+        parse_body(b'{"a": 1, "b": 2, "c": 3}', NativeRequest)
+    assert str(info.value) == "a: unknown field; b: unknown field; c: unknown field"
+    with pytest.raises(SchemaError) as info:
+        parse_body(b"[]", NativeRequest)
+    assert str(info.value).startswith("body: ")
+    with pytest.raises(SchemaError) as info:
+        parse_body(b'{"token_ids": [1, "x"]}', NativeRequest)
+    assert str(info.value).startswith("token_ids[1]: ")
+
+
+@pytest.mark.parametrize("length, shown", [(58, None), (59, 60)])
+def test_wrong_values_are_cut_after_60_characters(length, shown):
+    value = "a" * length                            # its repr is length + 2 characters
+    with pytest.raises(SchemaError) as info:
+        parse_body(json.dumps({"token_ids": value}).encode(), NativeRequest)
+    message = str(info.value)
+    if shown is None:
+        assert message.endswith(f"(got {value!r})")
+    else:
+        assert message.endswith(f"(got {repr(value)[:shown]}...)")
+
+
+def test_xllm_response_fields_by_name():
+    response = _response()
+    off = xllm_response(response, "m", rounds=2, is_items_on=False)
+    assert [c["index"] for c in off["choices"]] == [0, 1]
+    assert off["output_tensors"][0]["name"] == "rec_result"
+    assert off["output_tensors"][0]["shape"] == [2, 2]
+    bare = RecResponse(request_id="rid", results=response.results, usage={}, timing={})
+    assert xllm_response(bare, "m", rounds=2, is_items_on=True)["usage"]["prompt_tokens"] == 0
