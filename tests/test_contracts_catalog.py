@@ -1,0 +1,133 @@
+"""Boundaries of the catalog formats and helpers, on tiny files (milliseconds).
+
+test_catalog.py and test_catalog_import.py check the formats and the importers; these
+pin the edges a mutation run found unchecked (issue 15): int64 and vocabulary bounds
+(inclusive where they should be), the field a truncated record names, table copies.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from xrec.catalog import ItemCatalog
+from xrec.catalog_cli import _name_catalog
+from xrec.catalog_import import _item_ids
+from xrec.catalog_io import CatalogError, read_text, write_extended, write_text
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def test_text_catalog_accepts_the_int64_and_vocabulary_bounds(tmp_path):
+    path = tmp_path / "c.txt"
+    path.write_text(f"{INT64_MIN},0,0,0\n{INT64_MAX},9,9,9\n")
+    columns = read_text(path, vocab_size=10)
+    assert columns.item_ids.tolist() == [INT64_MIN, INT64_MAX]
+    assert columns.item_ids.dtype == np.int64 and columns.triples.dtype == np.int32
+    assert columns.triples.tolist() == [[0, 0, 0], [9, 9, 9]]
+
+
+@pytest.mark.parametrize("line, words", [
+    (f"{INT64_MAX + 1},0,0,0", "does not fit in int64"),
+    (f"{INT64_MIN - 1},0,0,0", "does not fit in int64"),
+    ("1,0,10,0", "token t1 = 10 is outside [0, 10)"),
+    ("1,0,0,-1", "token t2 = -1 is outside [0, 10)"),
+    ("1,0,0", "is not 'item_id,t0,t1,t2'"),
+])
+def test_text_catalog_refuses_what_is_past_the_bounds(tmp_path, line, words):
+    path = tmp_path / "c.txt"
+    path.write_text(f"# header\n\n{line}\n")
+    with pytest.raises(CatalogError, match=r"line 3: ") as info:
+        read_text(path, vocab_size=10)
+    assert words in str(info.value)
+
+
+def test_empty_text_catalog_has_the_shapes_of_one(tmp_path):
+    path = tmp_path / "c.txt"
+    path.write_text("# nothing\n")
+    columns = read_text(path, vocab_size=10)
+    assert columns.item_ids.shape == (0,) and columns.triples.shape == (0, 3)
+
+
+def test_text_catalog_round_trip(tmp_path):
+    path = tmp_path / "c.txt"
+    write_text(path, np.array([5, -3]), np.array([[1, 2, 3], [4, 5, 6]]))
+    assert path.read_text() == "# item_id,t0,t1,t2\n5,1,2,3\n-3,4,5,6\n"
+
+
+def _extended(tmp_path: Path) -> Path:
+    path = tmp_path / "c.bin"
+    write_extended(path, np.array([7]), np.array([[1, 2, 3]]), ["dé"], ["t"])
+    return path
+
+
+@pytest.mark.parametrize("size, field", [
+    (5, "item_id"), (10, "did_len"), (13, "did"), (16, "type_len"), (19, "type"),
+    (25, "tokens")])
+def test_truncated_extended_record_names_the_missing_field(tmp_path, size, field):
+    path = _extended(tmp_path)
+    data = path.read_bytes()
+    assert len(data) == 8 + 4 + 3 + 4 + 1 + 12                    # "dé" is 3 bytes in UTF-8
+    path.write_bytes(data[:size])
+    with pytest.raises(CatalogError, match=rf"partial record at offset 0: {field} needs bytes"):
+        ItemCatalog.read(path, vocab_size=10, extended=True)
+
+
+def test_extended_catalog_round_trip_keeps_utf8_strings(tmp_path):
+    catalog = ItemCatalog.read(_extended(tmp_path), vocab_size=10, extended=True)
+    assert catalog.dids == ("dé",) and catalog.types == ("t",)
+    assert catalog.item_ids.tolist() == [7] and catalog.triples.tolist() == [[1, 2, 3]]
+
+
+@pytest.mark.parametrize("dids, types, words", [
+    ([1], ["t"], "did of row 0: got int"), (["d", "d"], ["t", None], "type of row 1: got NoneType")])
+def test_extended_strings_are_checked_by_field_and_row(tmp_path, dids, types, words):
+    with pytest.raises(CatalogError, match=words):
+        write_extended(tmp_path / "c.bin", np.arange(len(dids)), np.zeros((len(dids), 3), int),
+                       dids, types)
+
+
+def test_item_ids_at_the_int64_bounds_are_valid_and_the_bad_one_is_named():
+    assert _item_ids(Path("f"), [str(INT64_MIN), str(INT64_MAX)], str).tolist() == [
+        INT64_MIN, INT64_MAX]
+    with pytest.raises(CatalogError, match=r"f: 2item id 'x' is not an integer in int64"):
+        _item_ids(Path("f"), [str(INT64_MIN), str(INT64_MAX), "x"], str)
+    with pytest.raises(CatalogError, match=rf"item id '{INT64_MAX + 1}'"):
+        _item_ids(Path("f"), ["0", str(INT64_MAX + 1)], str)
+
+
+def test_find_rows_of_an_array_of_any_shape():
+    catalog = ItemCatalog.from_arrays(np.array([30, 10, 20]), np.array([[1, 1, 1], [2, 2, 2],
+                                                                        [3, 3, 3]]), 10)
+    rows = catalog.find_rows(np.array([[10, 99], [30, 20]], dtype=np.int32))
+    assert rows.tolist() == [1, -1, 0, 2] and rows.dtype == np.int64
+    assert catalog.find_rows([]).tolist() == []
+
+
+def test_constraint_tables_to_a_device_keep_every_table():
+    tables = ItemCatalog.from_arrays(np.array([1, 2]), np.array([[1, 2, 3], [1, 4, 5]]), 10) \
+        .constraint_tables()
+    moved = tables.to(torch.device("cpu"))
+    for got, want in zip(moved.tokens + moved.offsets, tables.tokens + tables.offsets):
+        assert torch.equal(got, want)
+    assert moved.max_children == tables.max_children and moved.device.type == "cpu"
+
+
+def test_naming_the_catalog_keeps_other_keys_and_writes_readable_json(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"name": "模型", "extended_item_info": True}), encoding="utf-8")
+    _name_catalog(tmp_path, "catalog.bin")
+    text = (tmp_path / "tokenizer_config.json").read_text(encoding="utf-8")
+    assert json.loads(text) == {"name": "模型", "extended_item_info": False,
+                                "item_catalog": "catalog.bin"}
+    assert "模型" in text and text.endswith("}\n") and '\n  "name"' in text
+    assert [p.name for p in tmp_path.iterdir()] == ["tokenizer_config.json"]
+
+
+def test_naming_the_catalog_without_a_tokenizer_config_creates_one(tmp_path):
+    _name_catalog(tmp_path, "c.bin")
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text()) == {"item_catalog": "c.bin"}
