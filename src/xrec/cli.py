@@ -1,5 +1,5 @@
-"""`xrec` command line: serve | recommend | make-model | catalog | bench | sid | train | eval |
-demo. Heavy imports stay inside commands."""
+"""`xrec` command line: serve | recommend | batch | make-model | catalog | bench | sid | train |
+eval | demo. Heavy imports stay inside commands."""
 
 from __future__ import annotations
 
@@ -86,10 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument("--max-connections", type=int, default=None,
                         help="open connections; above it 503 and closed (default 1024)")
     add_engine_options(serve)
+    from xrec.scale.cli import add_batch_parser, add_serve_ray_flags   # no torch, no ray
+    add_serve_ray_flags(serve)
     serve.set_defaults(run=_serve)
 
     from xrec.catalog_cli import add_catalog_parser
     add_catalog_parser(sub)
+    add_batch_parser(sub)
     # the real-data path (`pip install xrec[train]`); the serving path never imports it
     from xrec.demo_movielens import add_demo_parser
     from xrec.evaluate.cli import add_eval_parser
@@ -212,6 +215,9 @@ def _recommend(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.ray:   # the same app, one Engine per Ray Serve replica (xrec.scale.serve_app)
+        from xrec.scale.cli import run_serve_ray
+        return run_serve_ray(args, _model_dir(args), engine_options(args))
     from xrec.server.run import serve
     return serve(args, _model_dir(args), engine_options(args), owns_process=True)
 

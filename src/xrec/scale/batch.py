@@ -1,0 +1,390 @@
+"""`xrec batch` in process: every row of a file through one Engine, resumable.
+
+The input is cut into chunks of `chunk_rows` rows (chunk k holds rows
+[k * chunk_rows, (k + 1) * chunk_rows)). A chunk's valid requests are submitted to
+the engine at once and the next chunk is submitted when this one is answered, so
+the engine's batches are a function of the chunk alone: the scheduler's greedy FIFO
+split of one submission, with one pipeline (with several, a batch's share depends
+on which pipelines are free at the time). Numbers depend on the batch a request
+runs in and on the intra-op thread count, so the Ray path (batch_ray.py), which
+gives each actor exactly one chunk per call and the same `num_threads`, writes the
+same records row for row.
+
+Three threads keep the engine busy: a reader decodes and validates chunk k + 1
+while chunk k runs; a writer turns chunk k - 1's answers into records and writes
+them. The output is a directory of part files, `part-000000.parquet` (or `.jsonl`)
+per chunk, and a manifest `_xrec_batch.json`. A part file is written under a
+temporary name and renamed, then the manifest (also renamed into place) counts it;
+a killed run leaves at most a part file that the manifest does not count, which a
+`--resume` deletes and writes again: every row exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from xrec.errors import XrecError
+from xrec.scale.rows import (InputInfo, RowError, RowSettings, answer_record, check_input,
+                             decode_row, error_record, file_format, id_type_of, iter_chunks,
+                             output_schema, write_records)
+
+logger = logging.getLogger("xrec.batch")
+
+MANIFEST = "_xrec_batch.json"
+DEFAULT_CHUNK_ROWS = 1024
+SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl"}
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:   # not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class BatchJob:
+    """One `xrec batch` run. `engine_options`: `Engine.from_pretrained` options; the batch
+    sets `max_concurrency=1` and `num_threads` (default: this machine's usable cores)."""
+
+    input: str
+    output: str
+    model_dir: str
+    catalog: str | None = None
+    settings: RowSettings = field(default_factory=RowSettings)
+    input_format: str | None = None
+    output_format: str | None = None
+    chunk_rows: int = DEFAULT_CHUNK_ROWS
+    engine_options: dict = field(default_factory=dict)
+    resume: bool = False
+    overwrite: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.chunk_rows, bool) or not isinstance(self.chunk_rows, int) or \
+                not 1 <= self.chunk_rows <= 1 << 20:
+            raise ValueError(f"--chunk-rows: got {self.chunk_rows!r}, allowed: 1 to {1 << 20}")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume and --overwrite: give one of them")
+        concurrency = self.engine_options.get("max_concurrency")
+        if concurrency not in (None, 1):
+            raise ValueError(f"--max-concurrency: got {concurrency}; xrec batch runs one pipeline "
+                             "per engine (with several, batches depend on timing and the output "
+                             "is not reproducible); use --num-threads, or --ray for more engines")
+
+    def options(self) -> dict:
+        """The engine options every engine of this job uses (in process or in a Ray actor)."""
+        options = dict(self.engine_options)
+        options["max_concurrency"] = 1
+        options.setdefault("num_threads", usable_cores())
+        options["request_queue_size"] = max(options.get("request_queue_size") or 0,
+                                            self.chunk_rows, 1024)
+        return options
+
+    def formats(self) -> tuple[str, str]:
+        """(input format, output format): the output's is the input's unless given."""
+        fmt = file_format(self.input, self.input_format)
+        return fmt, file_format(self.output, self.output_format or fmt, "--output")
+
+    def identity(self, info: InputInfo, output_format: str) -> dict:
+        """What a resumed run must share with the run it continues."""
+        stat = os.stat(info.path)
+        return {"input": os.path.abspath(info.path), "input_size": stat.st_size,
+                "input_mtime_ns": stat.st_mtime_ns, "input_rows": info.num_rows,
+                "output_format": output_format, "chunk_rows": self.chunk_rows,
+                "model_dir": os.path.abspath(self.model_dir),
+                "catalog": None if self.catalog is None else os.path.abspath(self.catalog),
+                "settings": asdict(self.settings),
+                "engine_options": {k: (list(v) if isinstance(v, tuple) else v)
+                                   for k, v in sorted(self.options().items())}}
+
+
+@dataclass
+class BatchSummary:
+    num_rows: int          # rows written by this run
+    num_errors: int        # of them, error records
+    seconds: float
+    output: str
+    num_skipped: int = 0   # rows a resumed run found already written
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.num_rows / self.seconds if self.seconds > 0 else float("nan")
+
+
+# ---- the output directory ------------------------------------------------------------------
+
+def prepare_output(job: BatchJob, identity: dict) -> int:
+    """Make `job.output` ready; the number of chunks already written (a resumed run)."""
+    out = Path(job.output)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output {out}: exists and is not a directory")
+    entries = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    if not entries:
+        if job.resume:
+            raise ValueError(f"--resume: {out} holds no earlier run (no {MANIFEST})")
+        out.mkdir(parents=True, exist_ok=True)
+        return 0
+    ours = [name for name in entries if name == MANIFEST or name.startswith(("part-", ".part-"))]
+    if job.overwrite:
+        strangers = sorted(set(entries) - set(ours))
+        if strangers:
+            raise ValueError(f"--overwrite: {out} holds files that xrec batch did not write "
+                             f"({', '.join(strangers[:5])}); refusing to delete them")
+        for name in ours:
+            (out / name).unlink()
+        return 0
+    if not job.resume:
+        raise ValueError(f"--output {out}: exists and is not empty; give --resume to continue "
+                         "the run that wrote it, or --overwrite to replace it")
+    manifest = read_manifest(out)
+    if manifest is None:
+        raise ValueError(f"--resume: {out} holds no earlier run (no {MANIFEST})")
+    differing = [key for key in identity if manifest.get("job", {}).get(key) != identity[key]]
+    if differing:
+        raise ValueError(f"--resume: {out} was written by a different run ({', '.join(differing)} "
+                         "differ); give the same input, model and settings, or --overwrite")
+    done = int(manifest["num_done_chunks"])
+    kept = {part_name(k, identity["output_format"]) for k in range(done)}
+    for name in ours:   # parts the manifest does not count (written after it, or half written)
+        if name != MANIFEST and name not in kept:
+            (out / name).unlink()
+    return done
+
+
+def part_name(chunk: int, fmt: str) -> str:
+    return f"part-{chunk:06d}{SUFFIX[fmt]}"
+
+
+def read_manifest(out: Path) -> dict | None:
+    try:
+        return json.loads((out / MANIFEST).read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        raise ValueError(f"{out / MANIFEST}: unreadable ({e}); give --overwrite to start over") from None
+
+
+def write_manifest(out: Path, identity: dict, num_done_chunks: int, num_done_rows: int,
+                   is_complete: bool, **extra: Any) -> None:
+    tmp = out / f".{MANIFEST}.tmp"
+    body = {"job": identity, "num_done_chunks": num_done_chunks, "num_done_rows": num_done_rows,
+            "is_complete": is_complete, **extra}
+    with open(tmp, "w") as f:
+        f.write(json.dumps(body, indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out / MANIFEST)
+
+
+# ---- chunks ----------------------------------------------------------------------------------
+
+Prepared = list   # per row: (row id, ValidRequest) or an error record (dict)
+
+
+def prepare_chunk(engine: Any, raws: Sequence[Any], settings: RowSettings) -> Prepared:
+    """Decode and validate a chunk's rows (prompts are tokenized here)."""
+    prepared: Prepared = []
+    for raw in raws:
+        try:
+            row_id, request = decode_row(raw, settings)
+        except RowError as e:
+            prepared.append(error_record(e.row_id, e.code, e.message))
+            continue
+        try:
+            prepared.append((row_id, engine.validate(request)))
+        except XrecError as e:
+            prepared.append(error_record(row_id, e.code, e.message))
+    return prepared
+
+
+def submit_chunk(engine: Any, prepared: Prepared) -> list[Future]:
+    """The chunk's valid requests, submitted at once (so the engine's batches depend on the
+    chunk only)."""
+    return engine.submit_valid_many([p[1] for p in prepared if isinstance(p, tuple)])
+
+
+def chunk_records(prepared: Prepared, futures: Sequence[Future]) -> list[dict]:
+    """Records in row order, from the answers of `submit_chunk` (waits for each)."""
+    answers = iter(futures)
+    records = []
+    for item in prepared:
+        if isinstance(item, dict):
+            records.append(item)
+            continue
+        row_id, _ = item
+        try:
+            records.append(answer_record(row_id, next(answers).result()))
+        except XrecError as e:
+            records.append(error_record(row_id, e.code, e.message))
+    return records
+
+
+def run_chunk(engine: Any, raws: Sequence[Any], settings: RowSettings) -> list[dict]:
+    """One chunk start to end (the Ray actors' call)."""
+    prepared = prepare_chunk(engine, raws, settings)
+    futures = submit_chunk(engine, prepared)
+    for future in futures:   # all answered before records are built: the chunk ran whole
+        future.exception()
+    return chunk_records(prepared, futures)
+
+
+# ---- the run -----------------------------------------------------------------------------
+
+def load_engine(model_dir: str, catalog: str | None, options: dict) -> Any:
+    """The engine, loaded in a thread that ends: torch work on a long-lived thread keeps an
+    OpenMP team that slows the pipeline (docs/decisions.md, Benchmarks)."""
+    from xrec import Engine
+
+    box: dict = {}
+
+    def load() -> None:
+        try:
+            box["engine"] = Engine.from_pretrained(model_dir, catalog=catalog, isolation="thread",
+                                                   **options)
+        except BaseException as e:   # re-raised in the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=load, name="xrec-batch-load")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["engine"]
+
+
+_DONE = object()
+
+
+def run_batch(job: BatchJob, engine: Any = None) -> BatchSummary:
+    """Run `job` in this process (`engine`: an already loaded one with `job.options()`)."""
+    input_format, output_format = job.formats()
+    info = check_input(job.input, input_format, job.settings)
+    schema = output_schema(id_type_of(info)) if output_format == "parquet" else None
+    identity = job.identity(info, output_format)
+    out = Path(job.output)
+    start_chunk = prepare_output(job, identity)
+    num_chunks = -(-info.num_rows // job.chunk_rows)
+    done_rows = min(start_chunk * job.chunk_rows, info.num_rows)
+    if start_chunk >= num_chunks:
+        write_manifest(out, identity, num_chunks, info.num_rows, True)
+        return BatchSummary(0, 0, 0.0, str(out), done_rows)
+    write_manifest(out, identity, start_chunk, done_rows, False)
+    own_engine = engine is None
+    if own_engine:
+        engine = load_engine(job.model_dir, job.catalog, job.options())
+    try:
+        return _pipeline(job, engine, info, identity, schema, output_format, start_chunk,
+                         num_chunks, done_rows)
+    finally:
+        if own_engine:
+            engine.close()
+
+
+def _pipeline(job: BatchJob, engine: Any, info: InputInfo, identity: dict, schema: Any,
+              output_format: str, start_chunk: int, num_chunks: int, done_rows: int) -> BatchSummary:
+    from tqdm import tqdm
+
+    out = Path(job.output)
+    prepared_chunks: queue.Queue = queue.Queue(maxsize=1)   # the reader's lookahead: one chunk
+    answered: queue.Queue = queue.Queue(maxsize=2)
+    failures: list[BaseException] = []
+    stop = threading.Event()
+    counts = {"rows": 0, "errors": 0}
+    bar = tqdm(total=info.num_rows, initial=done_rows, unit="row", desc="xrec batch",
+               disable=not job.progress, file=sys.stderr, smoothing=0.05)
+
+    def put(q: queue.Queue, item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def read() -> None:
+        try:
+            for index, raws in iter_chunks(info, job.chunk_rows, start_chunk):
+                if not put(prepared_chunks, (index, prepare_chunk(engine, raws, job.settings))):
+                    return
+        except BaseException as e:   # re-raised by the caller
+            failures.append(e)
+            stop.set()
+        put(prepared_chunks, _DONE)
+
+    def write() -> None:
+        rows = done_rows
+        try:
+            while True:
+                try:
+                    item = answered.get(timeout=0.1)
+                except queue.Empty:
+                    if stop.is_set():
+                        return
+                    continue
+                if item is _DONE:
+                    return
+                index, prepared, futures = item
+                records = chunk_records(prepared, futures)
+                write_records(out / part_name(index, output_format), records, output_format, schema)
+                rows += len(records)
+                counts["rows"] += len(records)
+                counts["errors"] += sum(r["error"] is not None for r in records)
+                write_manifest(out, identity, index + 1, rows, index + 1 == num_chunks)
+                bar.update(len(records))
+        except BaseException as e:   # re-raised by the caller
+            failures.append(e)
+            stop.set()
+
+    started = time.perf_counter()
+    reader = threading.Thread(target=read, name="xrec-batch-read", daemon=True)
+    writer = threading.Thread(target=write, name="xrec-batch-write", daemon=True)
+    reader.start()
+    writer.start()
+    is_clean = False
+    try:
+        while not stop.is_set():
+            try:
+                item = prepared_chunks.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if item is _DONE:
+                is_clean = put(answered, _DONE)   # the writer drains what is queued, then stops
+                break
+            index, prepared = item
+            futures = submit_chunk(engine, prepared)
+            for future in futures:   # the next chunk waits: an engine batch never mixes chunks
+                while not stop.is_set() and not _is_done_within(future, 0.1):
+                    pass
+            put(answered, (index, prepared, futures))
+    finally:
+        if not is_clean:
+            stop.set()
+        writer.join()
+        stop.set()
+        reader.join()
+        bar.close()
+    if failures:
+        raise failures[0]
+    return BatchSummary(counts["rows"], counts["errors"], time.perf_counter() - started, str(out),
+                        done_rows)
+
+
+def _is_done_within(future: Future, timeout_s: float) -> bool:
+    try:
+        future.exception(timeout=timeout_s)
+    except FutureTimeout:
+        return False
+    return True

@@ -1,0 +1,123 @@
+"""`xrec batch` and `xrec serve --ray`: their flags, registered on `xrec`'s parser.
+
+Nothing here imports torch or ray: `xrec --help` stays fast, and a Ray flag without
+Ray installed is one clear error line (exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+RAY_MISSING = ("Ray is not installed; install the optional extra: pip install 'xrec[ray]' "
+               "(the default, without --ray, needs no Ray)")
+
+
+def require_ray(flag: str) -> Any:
+    """`ray`, or a ValueError naming the flag and the install command."""
+    try:
+        import ray
+    except ImportError:
+        raise ValueError(f"{flag}: {RAY_MISSING}") from None
+    return ray
+
+
+def add_batch_parser(sub: Any) -> argparse.ArgumentParser:
+    from xrec.cli import add_engine_options
+
+    batch = sub.add_parser("batch", help="recommendations for every row of a Parquet / JSONL "
+                           "file (offline candidate generation), in process or with --ray")
+    batch.add_argument("--input", required=True, help="Parquet or JSONL file, one request per "
+                       "row: an id column and token_ids, prompt or sparse_embedding")
+    batch.add_argument("--output", required=True, help="output directory (part files + "
+                       "_xrec_batch.json); refused if it exists, unless --resume or --overwrite")
+    batch.add_argument("--model", help="model directory (default: the built-in demo model)")
+    batch.add_argument("--catalog", help="catalog file (default: the model directory's)")
+    batch.add_argument("--format", dest="input_format", choices=("parquet", "jsonl"),
+                       help="input format (default: from the suffix)")
+    batch.add_argument("--output-format", choices=("parquet", "jsonl"),
+                       help="output format (default: the input's)")
+    batch.add_argument("--id-column", default="id", help="the input's id column (default: id)")
+    batch.add_argument("--beam-width", type=int, help="default: the engine's default_beam_width")
+    batch.add_argument("--num-results", type=int, help="semantic ids per row (default: the "
+                       "beam width)")
+    batch.add_argument("--no-items", action="store_true", help="no catalog items in the output")
+    batch.add_argument("--chunk-rows", type=int, default=1024, help="rows submitted to an "
+                       "engine at once; also the unit of --resume and of a Ray batch")
+    again = batch.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue the run that wrote "
+                       "--output (a killed run restarts where it stopped)")
+    again.add_argument("--overwrite", action="store_true", help="replace --output")
+    batch.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ray = batch.add_argument_group("Ray Data (--ray; pip install 'xrec[ray]')")
+    ray.add_argument("--ray", action="store_true", help="map_batches over an actor pool of "
+                     "engines (a local Ray cluster, or --address)")
+    ray.add_argument("--address", help="an existing Ray cluster (default: $RAY_ADDRESS, else "
+                     "a local one)")
+    ray.add_argument("--actors", type=int, help="engine actors (default: as many as the "
+                     "cluster's CPUs hold, keeping one CPU for reading and writing)")
+    ray.add_argument("--actor-cpus", type=float, help="CPUs each actor reserves (default: "
+                     "--num-threads, at most the cluster's CPUs less one)")
+    ray.add_argument("--actor-gpus", type=float, default=0.0, help="GPUs each actor reserves")
+    add_engine_options(batch)
+    batch.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    batch.set_defaults(run=run_batch_command)
+    return batch
+
+
+def batch_job(args: argparse.Namespace) -> Any:
+    from xrec.cli import _model_dir, engine_options
+    from xrec.scale.batch import BatchJob
+    from xrec.scale.rows import RowSettings
+
+    # --normalize is the engine option (every row's default)
+    settings = RowSettings(args.id_column, args.beam_width, args.num_results, None,
+                           not args.no_items)
+    return BatchJob(args.input, args.output, _model_dir(args), args.catalog, settings,
+                    args.input_format, args.output_format, args.chunk_rows, engine_options(args),
+                    args.resume, args.overwrite, not args.no_progress)
+
+
+def run_batch_command(args: argparse.Namespace) -> int:
+    if args.ray:
+        require_ray("--ray")
+        if args.resume:
+            raise ValueError("--resume: a --ray run is not resumable (its output is written by "
+                             "Ray Data's tasks); run again with --overwrite, or without --ray")
+    job = batch_job(args)
+    if args.ray:
+        from xrec.scale.batch_ray import RayOptions, run_batch_ray
+        summary = run_batch_ray(job, RayOptions(args.address, args.actors, args.actor_cpus,
+                                                args.actor_gpus))
+    else:
+        from xrec.scale.batch import run_batch
+        summary = run_batch(job)
+    skipped = f", {summary.num_skipped} already written" if summary.num_skipped else ""
+    print(f"xrec batch: {summary.num_rows} rows ({summary.num_errors} errors{skipped}) in "
+          f"{summary.seconds:.1f} s, {summary.rows_per_s:.1f} rows/s -> {summary.output}",
+          file=sys.stderr)
+    return 0
+
+
+# ---- xrec serve --ray -----------------------------------------------------------------------
+
+def add_serve_ray_flags(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("Ray Serve (--ray; pip install 'xrec[ray]')")
+    group.add_argument("--ray", action="store_true", help="serve through Ray Serve: --replicas "
+                       "engines behind one HTTP endpoint (the same routes)")
+    group.add_argument("--replicas", type=int, default=1, help="replicas (each one Engine)")
+    group.add_argument("--max-replicas", type=int, help="autoscale between --replicas and this "
+                       "on the replicas' queues")
+    group.add_argument("--address", help="an existing Ray cluster (default: $RAY_ADDRESS, else "
+                       "a local one)")
+    group.add_argument("--replica-cpus", type=float, default=1.0,
+                       help="CPUs each replica reserves; its intra-op threads follow (default 1)")
+    group.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs each replica reserves")
+
+
+def run_serve_ray(args: argparse.Namespace, model_dir: str, engine_options: dict) -> int:
+    require_ray("--ray")
+    from xrec.scale.serve_app import ServeOptions, serve_forever
+    options = ServeOptions.from_args(args, model_dir, engine_options)
+    return serve_forever(options, args.address, args.host, args.port)

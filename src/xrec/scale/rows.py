@@ -1,0 +1,295 @@
+"""`xrec batch` rows: input files -> requests, answers -> output records and files.
+
+Input: one Parquet or JSONL file, one request per row: an id column (`--id-column`,
+default `id`) and exactly one input of `token_ids` (list of ints), `prompt` (text,
+models with a tokenizer) or `sparse_embedding` (rows of d_model floats).
+
+Output: one record per input row, in input order:
+
+    id       the row's id
+    tokens   [N][rounds] the semantic ids, best first
+    scores   [N] their scores (sum of the rounds' log-probs)
+    items    [N][*] the catalog items of each semantic id
+    error    null, or "CODE: message" for a row that failed (its lists are empty)
+
+A row that fails (a malformed JSON line, no input, a request the engine refuses) gets
+an error record and the run goes on; a file-level problem (no id column, no input
+column, an unreadable file) stops the run before anything is written.
+
+JSONL lines are split as Ray Data's `read_text` splits them (`str.splitlines`, blank
+lines dropped), so both paths number the same rows. pyarrow (Parquet) is imported only
+when a Parquet file is read or written.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import orjson
+
+from xrec.api_types import RecRequest, RecResponse
+
+INPUT_FIELDS = ("token_ids", "prompt", "sparse_embedding")
+OUTPUT_COLUMNS = ("id", "tokens", "scores", "items", "error")
+SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl",
+            ".json": "jsonl"}
+FORMATS = ("parquet", "jsonl")
+
+
+@dataclass(frozen=True)
+class RowSettings:
+    """How rows become requests: the id column and the search settings every row shares
+    (None: the engine's defaults)."""
+
+    id_column: str = "id"
+    beam_width: int | None = None
+    num_results: int | None = None
+    normalize: str | None = None
+    return_items: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id_column, str) or not self.id_column:
+            raise ValueError(f"--id-column: got {self.id_column!r}, expected a column name")
+        if self.id_column in INPUT_FIELDS:
+            raise ValueError(f"--id-column: got {self.id_column!r}, which is an input column")
+
+
+class RowError(Exception):
+    """A row that cannot become a request: its id (None if unknown), code and message."""
+
+    def __init__(self, row_id: Any, code: str, message: str):
+        super().__init__(message)
+        self.row_id, self.code, self.message = row_id, code, message
+
+
+def file_format(path: str | os.PathLike, given: str | None = None, what: str = "--input") -> str:
+    """`given`, or the format named by the file's suffix."""
+    if given is not None:
+        if given not in FORMATS:
+            raise ValueError(f"{what} format: got {given!r}, allowed: {', '.join(FORMATS)}")
+        return given
+    suffix = Path(path).suffix.lower()
+    if suffix not in SUFFIXES:
+        raise ValueError(f"{what} {path}: cannot tell the format from the suffix {suffix!r} "
+                         f"(known: {', '.join(SUFFIXES)}); give --format parquet|jsonl")
+    return SUFFIXES[suffix]
+
+
+def pyarrow_modules() -> tuple[Any, Any]:
+    """(pyarrow, pyarrow.parquet), or a ValueError saying how to install them."""
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError:
+        raise ValueError("Parquet needs pyarrow: pip install pyarrow (it comes with "
+                         "xrec[ray])") from None
+    return pyarrow, pyarrow.parquet
+
+
+# ---- input -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class InputInfo:
+    """What `check_input` learnt: format, the input column, the rows, the columns to read."""
+
+    path: str
+    format: str
+    input_column: str
+    num_rows: int
+    columns: tuple[str, ...]
+
+
+def check_input(path: str | os.PathLike, fmt: str, settings: RowSettings) -> InputInfo:
+    """The file's columns checked before anything runs: the id column and exactly one
+    input column must be there (JSONL: in the first row). ValueError names what is
+    missing and what the file has."""
+    path = str(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"--input {path}: no such file")
+    if fmt == "parquet":
+        _, pq = pyarrow_modules()
+        try:
+            meta = pq.ParquetFile(path)
+        except Exception as e:   # pyarrow's own errors: not a Parquet file, truncated, ...
+            raise ValueError(f"--input {path}: not a readable Parquet file ({e})") from None
+        names, num_rows = list(meta.schema_arrow.names), meta.metadata.num_rows
+    else:
+        first = next((line for _, line in jsonl_lines(path)), None)
+        if first is None:
+            names, num_rows = [], 0
+        else:
+            try:
+                row = orjson.loads(first)
+            except orjson.JSONDecodeError as e:
+                raise ValueError(f"--input {path}: the first row is not JSON ({e})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"--input {path}: rows must be JSON objects, the first is "
+                                 f"{type(row).__name__}")
+            names = list(row)
+            num_rows = sum(1 for _ in jsonl_lines(path))
+    if num_rows and settings.id_column not in names:
+        raise ValueError(f"--input {path}: no id column {settings.id_column!r} (columns: "
+                         f"{', '.join(names) or 'none'}); name it with --id-column")
+    given = [name for name in INPUT_FIELDS if name in names]
+    if num_rows and len(given) != 1:
+        raise ValueError(f"--input {path}: expected exactly one input column of "
+                         f"{', '.join(INPUT_FIELDS)}, found {', '.join(given) or 'none'} "
+                         f"(columns: {', '.join(names)})")
+    column = given[0] if given else INPUT_FIELDS[0]
+    return InputInfo(path, fmt, column, num_rows, (settings.id_column, column))
+
+
+def jsonl_lines(path: str) -> Iterator[tuple[int, str]]:
+    """(line number, text) of the non-blank lines, split as `str.splitlines` splits."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"--input {path}: line {number} is not UTF-8 ({e})") from None
+            for piece in text.splitlines():
+                if piece.strip():
+                    yield number, piece
+
+
+def iter_chunks(info: InputInfo, chunk_rows: int, start_chunk: int = 0,
+                ) -> Iterator[tuple[int, list[Any]]]:
+    """(chunk index, raw rows) from `start_chunk` on; chunk k holds rows
+    [k * chunk_rows, (k + 1) * chunk_rows). A raw row is a dict (Parquet) or a line (JSONL)."""
+    skip = start_chunk * chunk_rows
+    if info.format == "parquet":
+        rows: Iterator[Any] = _parquet_rows(info, skip)
+    else:
+        rows = (line for index, (_, line) in enumerate(jsonl_lines(info.path)) if index >= skip)
+    index, chunk = start_chunk, []
+    for row in rows:
+        chunk.append(row)
+        if len(chunk) == chunk_rows:
+            yield index, chunk
+            index, chunk = index + 1, []
+    if chunk:
+        yield index, chunk
+
+
+def _parquet_rows(info: InputInfo, skip: int) -> Iterator[dict]:
+    _, pq = pyarrow_modules()
+    parquet = pq.ParquetFile(info.path)
+    groups, seen = [], 0
+    for group in range(parquet.num_row_groups):   # whole row groups before `skip` are not read
+        size = parquet.metadata.row_group(group).num_rows
+        if seen + size > skip:
+            groups.append(group)
+        else:
+            seen += size
+    if not groups:
+        return
+    for batch in parquet.iter_batches(batch_size=4096, row_groups=groups, columns=list(info.columns)):
+        rows = batch.to_pylist()
+        if seen < skip:
+            drop = min(skip - seen, len(rows))
+            rows, seen = rows[drop:], seen + drop
+        yield from rows
+
+
+# ---- rows -> requests ------------------------------------------------------------------
+
+def decode_row(raw: Any, settings: RowSettings) -> tuple[Any, RecRequest]:
+    """(row id, request) of a raw row; RowError for a row that cannot be one. Messages do
+    not name the row's position: a Ray Data batch does not know it, and both paths must
+    write the same records."""
+    if isinstance(raw, (str, bytes)):
+        try:
+            raw = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            raise RowError(None, "INVALID_ARGUMENT", f"row is not JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise RowError(None, "INVALID_ARGUMENT",
+                           f"row is not a JSON object but {type(raw).__name__}")
+    row_id = raw.get(settings.id_column)
+    if row_id is None:
+        raise RowError(None, "INVALID_ARGUMENT", f"row has no {settings.id_column!r}")
+    given = [name for name in INPUT_FIELDS if raw.get(name) is not None]
+    if len(given) != 1:
+        raise RowError(row_id, "INVALID_ARGUMENT",
+                       f"row needs exactly one of {', '.join(INPUT_FIELDS)}, got "
+                       f"{', '.join(given) or 'none'}")
+    request = RecRequest(**{given[0]: raw[given[0]]}, beam_width=settings.beam_width,
+                         num_return_sequences=settings.num_results, normalize=settings.normalize,
+                         return_items=settings.return_items)
+    return row_id, request
+
+
+# ---- answers -> records ----------------------------------------------------------------
+
+def answer_record(row_id: Any, response: RecResponse) -> dict:
+    results = response.results
+    return {"id": row_id, "tokens": [list(c.tokens) for c in results],
+            "scores": [c.score for c in results],
+            "items": [[item.item_id for item in c.items] for c in results], "error": None}
+
+
+def error_record(row_id: Any, code: str, message: str) -> dict:
+    return {"id": row_id, "tokens": [], "scores": [], "items": [], "error": f"{code}: {message}"}
+
+
+# ---- output files ----------------------------------------------------------------------
+
+def output_schema(id_type: Any) -> Any:
+    pa, _ = pyarrow_modules()
+    return pa.schema([("id", id_type), ("tokens", pa.list_(pa.list_(pa.int64()))),
+                      ("scores", pa.list_(pa.float64())), ("items", pa.list_(pa.list_(pa.int64()))),
+                      ("error", pa.string())])
+
+
+def id_type_of(info: InputInfo) -> Any:
+    """The output's id type: the Parquet column's, or (JSONL) int64 when the first id is an
+    integer, else string."""
+    pa, pq = pyarrow_modules()
+    if info.format == "parquet":
+        return pq.ParquetFile(info.path).schema_arrow.field(info.columns[0]).type
+    first = next((line for _, line in jsonl_lines(info.path)), None)
+    value = orjson.loads(first).get(info.columns[0]) if first is not None else None
+    return pa.int64() if isinstance(value, int) and not isinstance(value, bool) else pa.string()
+
+
+def records_table(records: Sequence[dict], schema: Any) -> Any:
+    pa, _ = pyarrow_modules()
+    if pa.types.is_string(schema.field("id").type):
+        records = [r if r["id"] is None or isinstance(r["id"], str) else {**r, "id": str(r["id"])}
+                   for r in records]
+    return pa.Table.from_pylist(list(records), schema=schema)
+
+
+def records_jsonl(records: Sequence[dict]) -> bytes:
+    return b"".join(orjson.dumps(r) + b"\n" for r in records)
+
+
+def write_records(path: Path, records: Sequence[dict], fmt: str, schema: Any = None) -> None:
+    """One part file, written under a temporary name and renamed (never half there)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    if fmt == "parquet":
+        _, pq = pyarrow_modules()
+        pq.write_table(records_table(records, schema), tmp)
+    else:
+        with open(tmp, "wb") as f:
+            f.write(records_jsonl(records))
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_output(directory: str | os.PathLike) -> list[dict]:
+    """Every record of an output directory, its part files in name order (tests, bench)."""
+    records: list[dict] = []
+    for path in sorted(Path(directory).iterdir()):
+        if path.name.startswith((".", "_")):
+            continue
+        if path.suffix == ".parquet":
+            _, pq = pyarrow_modules()
+            records.extend(pq.read_table(path).to_pylist())
+        elif path.suffix == ".jsonl":
+            records.extend(orjson.loads(line) for line in path.read_bytes().splitlines() if line)
+    return records
