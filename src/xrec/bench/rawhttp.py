@@ -31,7 +31,20 @@ class Connection:
         self.writer: asyncio.StreamWriter | None = None
 
     async def post(self, path: str, body: bytes, headers: str = "") -> Answer:
+        """One request. A kept-alive connection that the server closed while it was idle
+        (it ends before a status line) is retried once on a new connection, as HTTP clients
+        do; the answer's start stays the first try's."""
         start = time.perf_counter()
+        is_reused = self.writer is not None
+        status, length = await self._post(path, body, headers)
+        if status is None and is_reused:
+            status, length = await self._post(path, body, headers)
+        return Answer(status or 0, start, time.perf_counter(), length)
+
+    async def _post(self, path: str, body: bytes, headers: str) -> tuple[int | None, int]:
+        """(status, body length); status 0 for a failure, None when the connection ended
+        (closed or reset) before the status line."""
+        status_line = b""
         try:
             if self.writer is None:
                 self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
@@ -39,6 +52,9 @@ class Connection:
                     f"Content-Length: {len(body)}\r\n{headers}\r\n").encode()
             self.writer.write(head + body)
             status_line = await self.reader.readline()
+            if not status_line:
+                await self.close()
+                return None, 0
             version, status = status_line.split()[0], int(status_line.split()[1])
             length, is_close = 0, version == b"HTTP/1.0"   # 1.0 closes unless it says otherwise
             while (line := await self.reader.readline()) not in (b"\r\n", b""):
@@ -50,10 +66,10 @@ class Connection:
             await self.reader.readexactly(length)
             if is_close:
                 await self.close()
-            return Answer(status, start, time.perf_counter(), length)
-        except (OSError, ValueError, IndexError, asyncio.IncompleteReadError):
+            return status, length
+        except (OSError, ValueError, IndexError, asyncio.IncompleteReadError) as e:
             await self.close()
-            return Answer(0, start, time.perf_counter(), 0)
+            return (None if isinstance(e, ConnectionError) and not status_line else 0), 0
 
     async def close(self) -> None:
         if self.writer is not None:
