@@ -294,3 +294,25 @@ def test_xllm_response_fields_by_name():
     assert off["output_tensors"][0]["shape"] == [2, 2]
     bare = RecResponse(request_id="rid", results=response.results, usage={}, timing={})
     assert xllm_response(bare, "m", rounds=2, is_items_on=True)["usage"]["prompt_tokens"] == 0
+
+
+
+def _limits(accepts_embeddings: bool, d_model: int):
+    from xrec.api_types import SearchLimits
+    return SearchLimits(vocab_size=100, d_model=d_model, max_input_len=10, max_beam_width=4,
+                        max_top_k=4, default_beam_width=4, default_normalize="allowed",
+                        accepts_embeddings=accepts_embeddings)
+
+
+def test_body_limits_are_the_largest_valid_request():
+    """Two [max_input_len, d_model] embeddings, or max_input_len tokens of prompt text,
+    plus the margins; the larger of the two."""
+    from xrec.server.schemas import max_body_bytes, max_json_values
+    slack = 64 << 10
+    # text: 10 tokens * (1 + 16) values, 10 * 256 bytes; embeddings: 2 * 10 * d_model values
+    assert max_json_values(_limits(True, 2)) == 10 * 17 + 4096
+    assert max_body_bytes(_limits(True, 2)) == 10 * 256 + slack          # 2560 > 2 * 20 * 32
+    assert max_json_values(_limits(True, 64)) == 2 * 10 * 64 + 4096
+    assert max_body_bytes(_limits(True, 64)) == 2 * 10 * 64 * 32 + slack
+    assert max_json_values(_limits(False, 64)) == 10 * 17 + 4096       # no embeddings read
+    assert max_body_bytes(_limits(False, 64)) == 10 * 256 + slack
