@@ -91,3 +91,14 @@ def test_configured_rms_norm_eps_reaches_every_qwen_norm(tmp_path):
                                             None, [0]))
         logits = model.logits(last)[0]                                        # [V]
     torch.testing.assert_close(logits, hf_causal_logits(hf, prompt)[-1], rtol=0, atol=2e-5)
+
+
+def test_checkpoint_errors_list_eight_names_then_count_the_rest():
+    from xrec.model.loader import _listing
+
+    shapes = {f"w{i}": torch.Size([i, 2]) for i in range(10)}
+    names = list(shapes)
+    assert _listing(names[:2], shapes) == "'w0' [0, 2], 'w1' [1, 2]"
+    assert _listing(names[:8], shapes).endswith("'w7' [7, 2]")
+    assert _listing(names[:9], shapes).endswith("'w7' [7, 2] and 1 more")
+    assert _listing(names, shapes, limit=3) == "'w0' [0, 2], 'w1' [1, 2], 'w2' [2, 2] and 7 more"
