@@ -1,0 +1,273 @@
+"""`xrec batch` in process (xrec.scale.batch, xrec.scale.rows): real files, a real engine.
+
+The oracle for the records is the engine itself: each chunk's valid requests through
+`Engine.recommend` at once (the batch the run makes). A run killed with SIGKILL and
+resumed writes every row exactly once, with the records of an uninterrupted run.
+No Ray here (tests/test_ray.py has the Ray paths).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from xrec import RecRequest
+from xrec.cli import main as xrec_main
+from xrec.demo import write_random_model
+from xrec.scale.batch import MANIFEST, BatchJob, load_engine, part_name, run_batch
+from xrec.scale.rows import RowSettings, read_output
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+VOCAB = 64            # the "tiny" size
+WAIT_S = 120.0        # bounded waits: a hang fails instead of blocking the suite
+SETTINGS = RowSettings(beam_width=4)
+OPTIONS = {"num_threads": 1}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_random_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", seed=0,
+                              num_items=500)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    engine = load_engine(str(model_dir), None, BatchJob("x.jsonl", "y", str(model_dir),
+                                                        engine_options=OPTIONS).options())
+    yield engine
+    engine.close(5)
+
+
+def token_rows(num_rows: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"id": i, "token_ids": rng.integers(0, VOCAB, rng.integers(1, 12)).tolist()}
+            for i in range(num_rows)]
+
+
+def write_jsonl(path: Path, rows: list, extra_lines: tuple[str, ...] = ()) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "".join(extra_lines))
+    return path
+
+
+def job(tmp_path: Path, model_dir, input_path, out="out", **kwargs) -> BatchJob:
+    kwargs = {"settings": SETTINGS, "engine_options": OPTIONS, "progress": False, **kwargs}
+    return BatchJob(str(input_path), str(tmp_path / out), str(model_dir), **kwargs)
+
+
+def expected_records(engine, rows: list[dict], chunk_rows: int) -> list[dict]:
+    """Each chunk's requests through Engine.recommend at once, as records."""
+    records = []
+    for start in range(0, len(rows), chunk_rows):
+        chunk = rows[start:start + chunk_rows]
+        answers = engine.recommend([RecRequest(token_ids=r["token_ids"], beam_width=4)
+                                    for r in chunk])
+        records += [{"id": r["id"], "tokens": [list(c.tokens) for c in a.results],
+                     "scores": [c.score for c in a.results],
+                     "items": [[i.item_id for i in c.items] for c in a.results], "error": None}
+                    for r, a in zip(chunk, answers)]
+    return records
+
+
+# ---- records ---------------------------------------------------------------------------------
+
+def test_jsonl_records_are_the_engines_answers_in_row_order(tmp_path, model_dir, engine):
+    rows = token_rows(37)
+    summary = run_batch(job(tmp_path, model_dir, write_jsonl(tmp_path / "in.jsonl", rows),
+                            chunk_rows=8), engine)
+    assert (summary.num_rows, summary.num_errors) == (37, 0)
+    got = read_output(tmp_path / "out")
+    assert got == expected_records(engine, rows, 8)
+    assert all(len(r["tokens"]) == 4 and all(len(t) == 3 for t in r["tokens"]) for r in got)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == \
+        [MANIFEST] + [part_name(k, "jsonl") for k in range(5)]
+    manifest = json.loads((tmp_path / "out" / MANIFEST).read_text())
+    assert manifest["is_complete"] and manifest["num_done_rows"] == 37
+
+
+def test_parquet_in_and_out_with_embeddings_and_string_ids(tmp_path, model_dir, engine):
+    rng = np.random.default_rng(1)
+    rows = [{"user": f"u{i}", "sparse_embedding": rng.standard_normal((i % 3 + 1, 32)).tolist()}
+            for i in range(10)]
+    rows[4]["sparse_embedding"] = rng.standard_normal((2, 31)).tolist()   # wrong width
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet", row_group_size=3)
+    settings = RowSettings(id_column="user", beam_width=4, num_results=2)
+    run_batch(job(tmp_path, model_dir, tmp_path / "in.parquet", chunk_rows=4, settings=settings),
+              engine)
+    table = pq.read_table(tmp_path / "out" / part_name(0, "parquet"))
+    assert table.schema.field("id").type == pa.string()
+    got = read_output(tmp_path / "out")
+    assert [r["id"] for r in got] == [f"u{i}" for i in range(10)]
+    assert got[4]["error"].startswith("INVALID_ARGUMENT: sparse_embedding") and got[4]["tokens"] == []
+    for chunk in (rows[0:4], rows[4:8]):   # chunk 1 less its bad row: the batch it ran in
+        valid = [r for r in chunk if r is not rows[4]]
+        answers = engine.recommend([RecRequest(sparse_embedding=np.asarray(
+            r["sparse_embedding"], np.float32), beam_width=4, num_return_sequences=2)
+            for r in valid])
+        expected = {r["user"]: [c.score for c in a.results] for r, a in zip(valid, answers)}
+        assert {r["id"]: r["scores"] for r in got if r["id"] in expected} == expected
+
+
+def test_bad_rows_get_error_records_and_the_run_goes_on(tmp_path, model_dir, engine):
+    rows = token_rows(6)
+    rows[1] = {"id": 1, "token_ids": [1, VOCAB]}                 # out of the vocabulary
+    rows[2] = {"id": 2}                                          # no input
+    rows[3] = {"id": 3, "token_ids": [1], "prompt": "x"}         # two inputs
+    rows[4] = {"token_ids": [1]}                                 # no id
+    lines = ("{not json\n", "\n", "   \n", "[1, 2]\n", json.dumps({"id": 9, "token_ids": [5]}) + "\n")
+    run_batch(job(tmp_path, model_dir, write_jsonl(tmp_path / "in.jsonl", rows, lines),
+                  chunk_rows=3), engine)
+    got = read_output(tmp_path / "out")
+    assert [r["id"] for r in got] == [0, 1, 2, 3, None, 5, None, None, 9]   # blank lines: no row
+    errors = [r["error"] for r in got]
+    assert errors[0] is None and errors[5] is None and errors[8] is None
+    assert "INVALID_ARGUMENT: token_ids" in errors[1] and str(VOCAB) in errors[1]
+    assert "exactly one of token_ids, prompt, sparse_embedding, got none" in errors[2]
+    assert "got token_ids, prompt" in errors[3]
+    assert "no 'id'" in errors[4]
+    assert "not JSON" in errors[6] and "not a JSON object but list" in errors[7]
+    assert got[8] == expected_records(engine, [{"id": 9, "token_ids": [5]}], 1)[0]
+
+
+# ---- file-level problems: refused before anything is written -----------------------------------
+
+def test_missing_columns_and_files_are_refused(tmp_path, model_dir):
+    write_jsonl(tmp_path / "in.jsonl", [{"user": 1, "token_ids": [1]}])
+    with pytest.raises(ValueError, match="no id column 'id' \\(columns: user, token_ids\\); "
+                                         "name it with --id-column"):
+        run_batch(job(tmp_path, model_dir, tmp_path / "in.jsonl"))
+    pq.write_table(pa.Table.from_pylist([{"id": 1, "tokens": [1]}]), tmp_path / "in.parquet")
+    with pytest.raises(ValueError, match="exactly one input column .* found none"):
+        run_batch(job(tmp_path, model_dir, tmp_path / "in.parquet"))
+    with pytest.raises(ValueError, match="no such file"):
+        run_batch(job(tmp_path, model_dir, tmp_path / "absent.jsonl"))
+    (tmp_path / "in.csv").write_text("id,token_ids\n")
+    with pytest.raises(ValueError, match="give --format parquet\\|jsonl"):
+        run_batch(job(tmp_path, model_dir, tmp_path / "in.csv"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_output_is_refused_unless_resume_or_overwrite(tmp_path, model_dir, engine):
+    rows = token_rows(5)
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    run_batch(job(tmp_path, model_dir, source, chunk_rows=2), engine)
+    with pytest.raises(ValueError, match="exists and is not empty; give --resume .* or --overwrite"):
+        run_batch(job(tmp_path, model_dir, source, chunk_rows=2), engine)
+    with pytest.raises(ValueError, match="written by a different run \\(chunk_rows differ\\)"):
+        run_batch(job(tmp_path, model_dir, source, chunk_rows=3, resume=True), engine)
+    done = run_batch(job(tmp_path, model_dir, source, chunk_rows=2, resume=True), engine)
+    assert (done.num_rows, done.num_skipped) == (0, 5)
+    run_batch(job(tmp_path, model_dir, source, chunk_rows=3, overwrite=True), engine)
+    # 3-row chunks: other batches (their scores differ in the last bits), no 2-row part left
+    assert read_output(tmp_path / "out") == expected_records(engine, rows, 3)
+    assert len(list((tmp_path / "out").glob("part-*"))) == 2
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="files that xrec batch did not write \\(notes.txt\\)"):
+        run_batch(job(tmp_path, model_dir, source, out="mine", overwrite=True), engine)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_cli_refusals(tmp_path, model_dir, capsys):
+    source = write_jsonl(tmp_path / "in.jsonl", token_rows(2))
+    base = ["batch", "--input", str(source), "--output", str(tmp_path / "o"), "--model",
+            str(model_dir), "--no-progress"]
+    assert xrec_main(base + ["--max-concurrency", "2"]) == 1
+    assert "runs one pipeline per engine" in capsys.readouterr().err
+    assert xrec_main(base + ["--chunk-rows", "0"]) == 1
+    assert "--chunk-rows: got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        xrec_main(base + ["--resume", "--overwrite"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_ray_flag_without_ray_is_one_clear_line(tmp_path, model_dir):
+    """`--ray` where Ray cannot be imported: exit 1 and how to install it (ray is made
+    unimportable in a child process, whether or not this environment has it)."""
+    source = write_jsonl(tmp_path / "in.jsonl", token_rows(2))
+    code = ("import sys; sys.modules['ray'] = None\n"
+            "from xrec.cli import main\n"
+            f"sys.exit(main(['batch', '--input', {str(source)!r}, '--output', "
+            f"{str(tmp_path / 'o')!r}, '--model', {str(model_dir)!r}, '--ray']))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=WAIT_S)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "xrec batch: error: --ray: Ray is not installed; install the optional extra: pip install "
+        "'xrec[ray]' (the default, without --ray, needs no Ray)")
+    assert not (tmp_path / "o").exists()
+
+
+# ---- resume ------------------------------------------------------------------------------------
+
+def test_resume_after_a_torn_write_writes_each_row_once(tmp_path, model_dir, engine):
+    """The state a kill can leave: the manifest counts 2 chunks, a third part file is there
+    (renamed before the manifest was updated) and a temporary one half written."""
+    rows = token_rows(20)
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    run_batch(job(tmp_path, model_dir, source, chunk_rows=4), engine)
+    full = read_output(tmp_path / "out")
+    out = tmp_path / "out"
+    manifest = json.loads((out / MANIFEST).read_text())
+    manifest.update(num_done_chunks=2, num_done_rows=8, is_complete=False)
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    (out / part_name(3, "jsonl")).unlink()
+    (out / part_name(4, "jsonl")).unlink()
+    (out / f".{part_name(3, 'jsonl')}.tmp").write_text('{"id": 12, "tok')
+    (out / part_name(2, "jsonl")).write_text('{"id": 8}\n')   # counted by nobody: redone
+    resumed = run_batch(job(tmp_path, model_dir, source, chunk_rows=4, resume=True), engine)
+    assert (resumed.num_rows, resumed.num_skipped) == (12, 8)
+    assert read_output(out) == full
+    assert not list(out.glob(".*tmp"))
+
+
+def test_killed_run_resumes_where_it_stopped(tmp_path, model_dir, engine):
+    """SIGKILL a real `xrec batch` once it has written a few chunks; --resume completes it;
+    every row is written exactly once, with the records of an uninterrupted run."""
+    rows = token_rows(300, seed=2)
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "xrec", "batch", "--input", str(source), "--output",
+               str(out), "--model", str(model_dir), "--beam-width", "4", "--chunk-rows", "2",
+               "--num-threads", "1", "--no-progress"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline and process.poll() is None:
+            manifest = _manifest(out)
+            if manifest and manifest["num_done_chunks"] >= 3:
+                break
+            time.sleep(0.005)
+        assert process.poll() is None, process.stderr.read().decode()[-2000:]
+        process.send_signal(signal.SIGKILL)
+        process.wait(WAIT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.stderr.close()
+    killed = _manifest(out)
+    assert killed is not None and not killed["is_complete"] and killed["num_done_chunks"] < 150
+    assert xrec_main(command[3:] + ["--resume"]) == 0
+    got = read_output(out)
+    assert [r["id"] for r in got] == list(range(300))
+    assert _manifest(out)["is_complete"]
+    reference = job(tmp_path, model_dir, source, out="ref", chunk_rows=2)
+    run_batch(reference, engine)
+    assert got == read_output(tmp_path / "ref")
+
+
+def _manifest(out: Path) -> dict | None:
+    try:
+        return json.loads((out / MANIFEST).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
