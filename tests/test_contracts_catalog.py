@@ -61,7 +61,7 @@ def test_text_catalog_round_trip(tmp_path):
 
 def _extended(tmp_path: Path) -> Path:
     path = tmp_path / "c.bin"
-    write_extended(path, np.array([7]), np.array([[1, 2, 3]]), ["dé"], ["t"])
+    write_extended(path, np.array([-7]), np.array([[1, 2, 3]]), ["dé"], ["t"])
     return path
 
 
@@ -80,7 +80,7 @@ def test_truncated_extended_record_names_the_missing_field(tmp_path, size, field
 def test_extended_catalog_round_trip_keeps_utf8_strings(tmp_path):
     catalog = ItemCatalog.read(_extended(tmp_path), vocab_size=10, extended=True)
     assert catalog.dids == ("dé",) and catalog.types == ("t",)
-    assert catalog.item_ids.tolist() == [7] and catalog.triples.tolist() == [[1, 2, 3]]
+    assert catalog.item_ids.tolist() == [-7] and catalog.triples.tolist() == [[1, 2, 3]]
 
 
 @pytest.mark.parametrize("dids, types, words", [
@@ -131,3 +131,22 @@ def test_naming_the_catalog_keeps_other_keys_and_writes_readable_json(tmp_path):
 def test_naming_the_catalog_without_a_tokenizer_config_creates_one(tmp_path):
     _name_catalog(tmp_path, "c.bin")
     assert json.loads((tmp_path / "tokenizer_config.json").read_text()) == {"item_catalog": "c.bin"}
+
+
+def test_catalog_cli_options():
+    import argparse
+
+    from xrec.catalog_cli import add_catalog_parser
+
+    parser = argparse.ArgumentParser(prog="xrec")
+    add_catalog_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["catalog", "import", "--model", "m", "--format", "csv", "f.csv",
+                              "-v"])
+    assert (args.command, args.catalog_command, args.model, args.format, args.input) == (
+        "catalog", "import", "m", "csv", "f.csv")
+    assert args.verbose is True and args.out is None
+    for argv in (["catalog"], ["catalog", "import", "--format", "csv", "f"],
+                 ["catalog", "import", "--model", "m", "f"],
+                 ["catalog", "import", "--model", "m", "--format", "xml", "f"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
