@@ -102,3 +102,20 @@ def test_checkpoint_errors_list_eight_names_then_count_the_rest():
     assert _listing(names[:8], shapes).endswith("'w7' [7, 2]")
     assert _listing(names[:9], shapes).endswith("'w7' [7, 2] and 1 more")
     assert _listing(names, shapes, limit=3) == "'w0' [0, 2], 'w1' [1, 2], 'w2' [2, 2] and 7 more"
+
+
+def test_random_weights_follow_the_seed_and_their_documented_scales():
+    from xrec.config import ModelConfig
+    from xrec.model.random_init import random_state_dict
+
+    config = ModelConfig(d_model=32, d_ff=48, num_encoder_layers=1, num_decoder_layers=1,
+                         num_heads=4, head_dim=8, vocab_size=64, torch_dtype="float32")
+    first, again, other = (random_state_dict(config, seed) for seed in (1, 1, 2))
+    assert first.keys() == again.keys() == other.keys()
+    assert all(torch.equal(first[name], again[name]) for name in first)
+    assert not torch.equal(first["shared.weight"], other["shared.weight"])
+    norm = first["encoder.final_layer_norm.weight"]
+    assert (norm - 1.0).abs().max() < 0.6 and (norm - 1.0).std() > 0.03
+    assert 0.7 < first["shared.weight"].std() < 1.3
+    projection = next(t for name, t in first.items() if name.endswith("SelfAttention.q.weight"))
+    assert 0.7 < projection.std() * projection.shape[-1] ** 0.5 < 1.3

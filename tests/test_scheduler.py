@@ -353,6 +353,27 @@ def test_deadline_reached_exactly_while_waiting_fails_it(make_scheduler):
     assert executor.launched_ids() == ["running"]
 
 
+def test_after_a_drop_the_next_deadline_is_the_earliest_left(make_scheduler):
+    """A sweep that drops one request recomputes the next deadline from those it keeps."""
+    clock = FakeClock()
+    scheduler, executor = make_scheduler(make_limits(max_seqs_per_batch=1), clock=clock)
+    executor.gate.clear()
+    running = make_request("running")
+    scheduler.submit(running)
+    executor.wait_until(lambda: executor.num_in_flight == 1)
+    first, second = make_request("first", deadline=10.0), make_request("second", deadline=20.0)
+    scheduler.submit(first)
+    scheduler.submit(second)
+    eventually(lambda: scheduler.num_waiting == 2)
+    clock.now = 10.0
+    assert isinstance(first.future.exception(WAIT_S), DeadlineExceeded)
+    assert not second.future.done()
+    clock.now = 20.0
+    assert isinstance(second.future.exception(WAIT_S), DeadlineExceeded)
+    executor.gate.set()
+    assert running.future.result(WAIT_S) == "running"
+
+
 def test_request_whose_deadline_is_now_is_never_launched(make_scheduler):
     clock = FakeClock(now=5.0)
     scheduler, executor = make_scheduler(make_limits(), clock=clock, is_started=False)
