@@ -136,3 +136,62 @@ def test_follow_parents_reorders_each_requests_history():
     out = follow_parents(history, parents)
     assert out[..., 0].tolist() == [[3, 3, 1, 2], [5, 4, 4, 6]]
     assert out.shape == (2, 4, 2)
+
+
+class _FakeFamily:
+    """What WorkspaceModel reads from a config; context and decode bytes recorded."""
+
+    beam_kv_shape = (2, 3, 4)          # layers, kv heads, head dim
+    d_model = 8
+    vocab_size = 1000
+
+    def __init__(self):
+        self.calls = []
+
+    def context_bytes(self, num_b, num_l, prefix_len, elem):
+        self.calls.append(("context", num_b, num_l, prefix_len, elem))
+        return 1_000_000
+
+    def decode_bytes(self, beams, num_l, elem):
+        self.calls.append(("decode", beams, num_l, elem))
+        return 2_000_000
+
+
+def _request(input_len=5, prefix_len=1, beam_width=4, num_results=4, normalize="allowed"):
+    from types import SimpleNamespace
+    return SimpleNamespace(input_len=input_len, prefix_len=prefix_len, beam_width=beam_width,
+                           num_results=num_results, normalize=normalize)
+
+
+def test_batch_shape_is_padded_to_the_longest_request():
+    from xrec.search.workspace import BatchShape
+
+    shape = BatchShape.of([_request(input_len=5, beam_width=8),
+                           _request(input_len=9, prefix_len=3, num_results=12)])
+    assert shape == BatchShape(2, 9, 3, 8, 12, False)
+    assert BatchShape.of([_request(), _request(normalize="full")]).has_full_rows
+    assert not BatchShape.of([_request(normalize="allowed")]).has_full_rows
+
+
+def test_workspace_estimate_by_hand():
+    """2 requests x W=4 (8 beams), 3 rounds, bf16, 10 children per node."""
+    from xrec.search.workspace import BatchShape, WorkspaceModel
+
+    family = _FakeFamily()
+    model = WorkspaceModel(family, dtype_bytes=2, max_children=10, rounds=3)
+    shape = BatchShape(2, 9, 3, 4, 4, False)
+    beam_kv = 2 * 2 * 2 * 8 * 2 * 3 * 4 * 2            # K and V, ping-pong, rounds - 1 = 2
+    head = 8 * 10 * 4 + 8 * 10 * (8 * 2 + 16)          # narrow: logits of the 10 candidates only
+    select = 2 * 4 * 10 * 12
+    assert model.batch_bytes(shape) == 1_000_000 + 2_000_000 + beam_kv + head + select
+    assert family.calls == [("context", 2, 9, 3, 2), ("decode", 8, 9, 2)]
+    # full normalisation needs whole-vocabulary rows; so does a wide node (4 * 250 >= 1000)
+    full = WorkspaceModel(family, 2, 10, 3).batch_bytes(BatchShape(2, 9, 3, 4, 4, True))
+    assert full - model.batch_bytes(shape) == 8 * (1000 - 10) * 4
+    wide = WorkspaceModel(family, 2, 250, 3).batch_bytes(shape)
+    assert wide == 3_000_000 + beam_kv + 8 * 1000 * 4 + 8 * 250 * 32 + 2 * 4 * 250 * 12
+    # one round keeps one K/V buffer per round minimum; more results widen the candidates
+    one_round = WorkspaceModel(family, 2, 10, 1).batch_bytes(shape)
+    assert model.batch_bytes(shape) - one_round == beam_kv // 2
+    many = model.batch_bytes(BatchShape(2, 9, 3, 4, 20, False))
+    assert many == 3_000_000 + beam_kv + 8 * 20 * 4 + 8 * 20 * 32 + 2 * 4 * 20 * 12
