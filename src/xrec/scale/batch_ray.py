@@ -58,12 +58,14 @@ class RayOptions:
 def connect(address: str | None, flag: str = "--address") -> bool:
     """Join the cluster at `address` ($RAY_ADDRESS when None), else start a local one.
     True when this call started Ray (the caller shuts it down). ValueError when a given
-    cluster cannot be reached."""
+    cluster cannot be reached (probed first: Ray's own connect retries for minutes)."""
     import ray
 
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
+    if address not in (None, "auto", "local") and not address.startswith("ray://"):
+        _probe(address, flag)
     try:
         ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING,
                  include_dashboard=False if address is None else None)
@@ -73,17 +75,34 @@ def connect(address: str | None, flag: str = "--address") -> bool:
     return True
 
 
+def _probe(address: str, flag: str, timeout_s: float = 5.0) -> None:
+    """A TCP connection to the cluster's GCS `host:port`, or a ValueError saying why not."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"{flag} {address}: expected HOST:PORT of a Ray cluster's head "
+                         "(as `ray start --head` prints it), ray://HOST:PORT, or auto")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ValueError(f"{flag} {address}: cannot reach the Ray cluster "
+                         f"({e.strerror or type(e).__name__}); is `ray start --head` running "
+                         "there?") from None
+
+
 def pool_size(cluster_cpus: float, num_threads: int, options: RayOptions) -> tuple[int, float]:
-    """(actors, CPUs per actor), leaving TASK_CPUS free for the read and write tasks."""
+    """(actors, CPUs per actor) on `cluster_cpus` free CPUs, leaving TASK_CPUS of them to the
+    read and write tasks."""
     free = cluster_cpus - TASK_CPUS
     if free <= 0:
-        raise ValueError(f"the Ray cluster has {cluster_cpus:g} CPU(s); an actor pool needs more "
+        raise ValueError(f"the Ray cluster has {cluster_cpus:g} CPU(s) free; an actor pool needs more "
                          f"than {TASK_CPUS:g} (Ray Data's read and write tasks take one)")
     actor_cpus = options.actor_cpus or min(float(num_threads), free)
     num_actors = options.num_actors or max(1, math.floor(free / actor_cpus + 1e-9))
     if num_actors * actor_cpus > free + 1e-9:
         raise ValueError(f"--actors {num_actors} x --actor-cpus {actor_cpus:g} = "
-                         f"{num_actors * actor_cpus:g} CPUs, but the cluster has {cluster_cpus:g} "
+                         f"{num_actors * actor_cpus:g} CPUs, but the cluster has {cluster_cpus:g} free "
                          f"and Ray Data's read and write tasks need {TASK_CPUS:g} (a pool that "
                          "takes every CPU hangs without an error); lower one of them")
     return num_actors, actor_cpus
@@ -120,7 +139,8 @@ def run_batch_ray(job: BatchJob, options: RayOptions) -> BatchSummary:
     prepare_output(job, identity)
     is_local = connect(options.address)
     try:
-        cluster_cpus = float(ray.cluster_resources().get("CPU", 0))
+        # what is free now: Serve replicas or other jobs may hold part of the cluster
+        cluster_cpus = float(ray.available_resources().get("CPU", 0))
         engine_options = job.options()
         num_actors, actor_cpus = pool_size(cluster_cpus, engine_options["num_threads"], options)
         logger.info("xrec batch --ray: %d actor(s) x %g CPU(s), %d intra-op thread(s) each, on a "

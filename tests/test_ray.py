@@ -1,0 +1,238 @@
+"""The Ray paths (xrec.scale.batch_ray, xrec.scale.serve_app) on one local Ray cluster.
+
+One cluster serves every test of this module (num_cpus=2, no dashboard, a small object
+store); skipped cleanly where Ray is not installed. Batch: `--ray` writes the records of
+the in-process run, row for row (byte for byte in JSONL). Serve: the plain server's
+malformed-request table gives the same statuses through Ray Serve's proxy; killing one
+replica's process during load fails only requests in flight on it, and Serve replaces it.
+No wall-time assertions: every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+httpx = pytest.importorskip("httpx")
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from test_server import MALFORMED, VALID, assert_error  # noqa: E402  (the plain server's table)
+
+from xrec.demo import write_random_model  # noqa: E402
+from xrec.scale.batch import BatchJob, run_batch  # noqa: E402
+from xrec.scale.batch_ray import RayOptions, pool_size, run_batch_ray  # noqa: E402
+from xrec.scale.rows import RowSettings, read_output  # noqa: E402
+from xrec.scale.serve_app import (APP_NAME, DEPLOYMENT_NAME, PROXY_CALLBACK,  # noqa: E402
+                                  PROXY_CALLBACK_VARIABLE, ServeOptions, replica_infos, start)
+
+VOCAB = 64
+WAIT_S = 120.0
+OPTIONS = {"num_threads": 1}
+SETTINGS = RowSettings(beam_width=4)
+RAY_OPTIONS = RayOptions(actor_cpus=0.5)   # Serve's replicas hold 2 x 0.25 of the 2 CPUs
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ[PROXY_CALLBACK_VARIABLE] = PROXY_CALLBACK   # read by the proxy process
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=150 << 20,
+             log_to_driver=False)
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    # named "tiny" and seeded as tests/test_server.py's model: its table applies as it is
+    return write_random_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", seed=0,
+                              num_items=500)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app_url(cluster, model_dir):
+    port = free_port()
+    start(ServeOptions(str(model_dir), num_replicas=2, replica_cpus=0.25, grace_s=2.0),
+          "127.0.0.1", port)
+    yield f"http://127.0.0.1:{port}"
+    serve.delete(APP_NAME)
+
+
+@pytest.fixture(scope="module")
+def client(app_url):
+    with httpx.Client(base_url=app_url, timeout=WAIT_S) as client:
+        yield client
+
+
+# ---- batch ------------------------------------------------------------------------------------
+
+def batch_job(tmp_path: Path, model_dir, source: Path, out: str, **kwargs) -> BatchJob:
+    return BatchJob(str(source), str(tmp_path / out), str(model_dir), settings=SETTINGS,
+                    chunk_rows=16, engine_options=OPTIONS, progress=False, **kwargs)
+
+
+def test_ray_batch_writes_the_in_process_records_parquet(tmp_path, cluster, model_dir):
+    rng = np.random.default_rng(3)
+    rows = [{"id": i, "token_ids": rng.integers(0, VOCAB, rng.integers(1, 20)).tolist()}
+            for i in range(150)]
+    rows[7]["token_ids"] = [VOCAB + 1]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet", row_group_size=40)
+    run_batch(batch_job(tmp_path, model_dir, tmp_path / "in.parquet", "local"))
+    summary = run_batch_ray(batch_job(tmp_path, model_dir, tmp_path / "in.parquet", "ray"),
+                            RAY_OPTIONS)
+    assert (summary.num_rows, summary.num_errors) == (150, 1)
+    local, distributed = read_output(tmp_path / "local"), read_output(tmp_path / "ray")
+    assert [r["id"] for r in distributed] == list(range(150))
+    assert distributed == local
+
+
+def test_ray_batch_writes_the_in_process_bytes_jsonl(tmp_path, cluster, model_dir):
+    rng = np.random.default_rng(4)
+    lines = [json.dumps({"id": f"u{i}", "token_ids": rng.integers(0, VOCAB, 5).tolist()})
+             for i in range(40)]
+    lines[3], lines[20] = "{oops", json.dumps({"id": "u20"})
+    (tmp_path / "in.jsonl").write_text("\n".join(lines[:10]) + "\n\n" + "\n".join(lines[10:]) + "\n")
+    run_batch(batch_job(tmp_path, model_dir, tmp_path / "in.jsonl", "local"))
+    run_batch_ray(batch_job(tmp_path, model_dir, tmp_path / "in.jsonl", "ray"), RAY_OPTIONS)
+
+    def text(out: str) -> bytes:
+        return b"".join(p.read_bytes() for p in sorted((tmp_path / out).glob("part-*")))
+
+    assert text("ray") == text("local") and text("local").count(b"\n") == 40
+    assert b'"error":"INVALID_ARGUMENT: row is not JSON' in text("ray")
+
+
+def test_ray_pool_that_takes_every_cpu_is_refused():
+    assert pool_size(2.0, 1, RayOptions()) == (1, 1.0)
+    assert pool_size(9.0, 2, RayOptions()) == (4, 2.0)
+    assert pool_size(1.5, 4, RayOptions()) == (1, 0.5)
+    with pytest.raises(ValueError, match="2 x --actor-cpus 1 = 2 CPUs, but the cluster has 2 "
+                                         "free .* hangs without an error"):
+        pool_size(2.0, 1, RayOptions(num_actors=2, actor_cpus=1.0))
+    with pytest.raises(ValueError, match="has 1 CPU\\(s\\) free; an actor pool needs more"):
+        pool_size(1.0, 1, RayOptions())
+
+
+def test_unreachable_cluster_is_one_clear_line(tmp_path, model_dir):
+    (tmp_path / "in.jsonl").write_text('{"id": 1, "token_ids": [1]}\n')
+    with socket.socket() as s:   # a port that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run([sys.executable, "-m", "xrec", "batch", "--input",
+                           str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o"), "--model",
+                           str(model_dir), "--ray", "--address", f"127.0.0.1:{port}"],
+                          capture_output=True, text=True, timeout=WAIT_S)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"xrec batch: error: --address 127.0.0.1:{port}: cannot reach the Ray cluster "
+        "(Connection refused); is `ray start --head` running there?")
+
+
+# ---- serve ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path, body, status, code",
+                         [case[1:] for case in MALFORMED], ids=[case[0] for case in MALFORMED])
+def test_malformed_request_through_serve(client, path, body, status, code):
+    if isinstance(body, bytes):
+        response = client.post(path, content=body, headers={"Content-Type": "application/json"})
+    else:
+        response = client.post(path, json=body)
+    error = assert_error(response, status, code)
+    assert response.headers.get_list("x-request-id") == [error["request_id"]]
+    assert client.post(path, json=VALID).status_code == 200
+
+
+def test_routes_health_and_metrics_are_xrec_serves(client, cluster):
+    assert client.get("/health").json() == {"status": "ok", "model": "tiny"}
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny"]
+    assert_error(client.get("/no/such/path"), 404, "NOT_FOUND")
+    response = client.post("/v1/rec/completions", json={**VALID, "request_id": "mine"})
+    assert response.status_code == 200 and response.json()["id"] == "mine"
+    assert response.headers.get_list("x-request-id") == ["mine"]
+    assert len(response.json()["results"]) == 4 and response.headers["x-catalog-version"]
+    assert "xrec_requests_total" in client.get("/metrics").text
+    infos = replica_infos(2)
+    assert len({i["pid"] for i in infos}) == 2
+    for info in infos:   # each replica's own registry
+        assert metric(info["metrics_url"], "xrec_pipelines") == 1.0
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url, timeout=WAIT_S).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                return sample.value
+    return 0.0
+
+
+def test_a_killed_replica_fails_only_its_requests_and_is_replaced(client, app_url, cluster):
+    infos = replica_infos(2)
+    victim, survivor = infos[0], infos[1]
+    heavy = {"token_ids": list(np.random.default_rng(5).integers(0, VOCAB, 3000)),
+             "beam_width": 512}
+    heavy["token_ids"] = [int(t) for t in heavy["token_ids"]]
+    results: list = []
+    stop = threading.Event()
+
+    def load() -> None:
+        with httpx.Client(base_url=app_url, timeout=WAIT_S) as own:
+            while not stop.is_set():
+                try:
+                    results.append(own.post("/v1/rec/completions", json=heavy).status_code)
+                except httpx.HTTPError as e:   # a hang would be a ReadTimeout: counted as such
+                    results.append(type(e).__name__)
+
+    threads = [threading.Thread(target=load, daemon=True) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline and metric(victim["metrics_url"], "xrec_batches_running") < 1:
+            time.sleep(0.01)
+        assert metric(victim["metrics_url"], "xrec_batches_running") >= 1
+        os.kill(victim["pid"], signal.SIGKILL)
+        num_before = len(results)
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline and len(results) < num_before + 6:
+            time.sleep(0.05)   # the survivor keeps answering meanwhile
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(WAIT_S)
+    assert not any(thread.is_alive() for thread in threads)
+    failed = [r for r in results if r != 200]
+    assert 200 in results[num_before:]
+    assert failed and all(isinstance(r, int) and 500 <= r < 600 for r in failed), results
+    # Serve replaces the dead replica: two running again, the survivor untouched
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        states = serve.status().applications[APP_NAME].deployments[DEPLOYMENT_NAME].replica_states
+        if states.get("RUNNING") == 2 and sum(states.values()) == 2:
+            break
+        time.sleep(0.2)
+    pids = {i["pid"] for i in replica_infos(2)}
+    assert len(pids) == 2 and survivor["pid"] in pids and victim["pid"] not in pids
+    assert all(client.post("/v1/rec/completions", json=VALID).status_code == 200
+               for _ in range(4))
