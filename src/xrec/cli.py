@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_parser(sub)
 
     # listed for --help; main() hands `xrec bench ...` to the bench command's own parser
-    sub.add_parser("bench", help="benchmarks: offline | scaling | serve | breakdown")
+    sub.add_parser("bench", help="benchmarks: offline | scaling | serve | breakdown | batch")
     for p in (make, rec, serve):
         p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     return parser

@@ -1,4 +1,5 @@
-"""`xrec bench offline | scaling | breakdown | serve | embedded`: argument parsing and dispatch.
+"""`xrec bench offline | scaling | breakdown | serve | embedded | batch`: argument parsing and
+dispatch.
 
 Every command runs its contenders side by side in one process, prints a Markdown
 table and writes `<out>/<name>-<timestamp>.json`, `.md` and (where a curve says more)
@@ -145,8 +146,27 @@ def build_parser() -> argparse.ArgumentParser:
                        help="engine option of the server and of the offline engine: how long a "
                             "free pipeline may hold a partial batch to fill it")
     serve.add_argument("--startup-timeout", type=float, default=120.0)
+    serve.add_argument("--ray", action="store_true", help="plain `xrec serve` next to the Ray "
+                       "Serve app with --replicas (bench/serve_ray.py)")
+    serve.add_argument("--replicas", type=_ints, default=[1, 2], help="with --ray: replica counts")
+    serve.add_argument("--clients", type=int, default=8, help="with --ray: closed-loop clients")
     # one comparison run is one ~0.1 s burst: 15 of them keep a noisy run off the median
-    serve.set_defaults(run=_run("serve"), repeats=15)
+    serve.set_defaults(run=_run_serve, repeats=15)
+    batch = sub.add_parser("batch", help="xrec batch rows/s: in process and --ray vs the Engine")
+    common(batch)
+    batch.add_argument("--contenders", type=_names, default=None,
+                       help="comma-separated among engine, batch, ray (default all)")
+    batch.add_argument("--rows", type=int, default=100_000)
+    batch.add_argument("--engine-rows", type=int, default=20_000,
+                       help="rows of the engine contender (the first of the same file)")
+    batch.add_argument("--lengths", type=_ints, default=[8, 64], help="min,max input tokens")
+    batch.add_argument("--beam-width", type=int, default=16)
+    batch.add_argument("--num-results", type=int, default=None)
+    batch.add_argument("--chunk-rows", type=int, default=1024)
+    batch.add_argument("--input-format", choices=("parquet", "jsonl"), default="parquet")
+    batch.add_argument("--actors", type=int, default=None, help="ray: actors (default: derived)")
+    batch.add_argument("--actor-cpus", type=float, default=None)
+    batch.set_defaults(run=_run("batch"), repeats=1)
     embedded = sub.add_parser("embedded", help="the engine in a host that runs its own torch "
                               "work: isolation thread vs process")
     common(embedded)
@@ -178,6 +198,12 @@ def apply_quick(args: argparse.Namespace) -> None:
         args.large, args.num_requests, args.repeats = [16, 64], 4, 1
     elif args.command == "embedded":
         args.beam_width, args.length, args.num_requests = 8, 16, 2
+    elif args.command == "batch":
+        args.rows, args.engine_rows, args.beam_width, args.chunk_rows = 200, 200, 4, 64
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    return _run("serve_ray" if args.ray else "serve")(args)
 
 
 def _run(command: str):
