@@ -195,3 +195,30 @@ def test_workspace_estimate_by_hand():
     assert model.batch_bytes(shape) - one_round == beam_kv // 2
     many = model.batch_bytes(BatchShape(2, 9, 3, 4, 20, False))
     assert many == 3_000_000 + beam_kv + 8 * 20 * 4 + 8 * 20 * 32 + 2 * 4 * 20 * 12
+
+
+def test_workspace_head_rows_switch_to_the_vocabulary_at_a_quarter_of_it():
+    from xrec.search.workspace import BatchShape, WorkspaceModel
+
+    shape = BatchShape(1, 4, 1, 1, 1, False)
+
+    def head_rows(max_children):
+        model = WorkspaceModel(_FakeFamily(), 2, max_children, 2)
+        rest = 3_000_000 + 2 * 2 * 2 * 1 * 1 * 3 * 4 * 2 + max_children * (8 * 2 + 16) \
+            + max_children * 12
+        return (model.batch_bytes(shape) - rest) // 4
+
+    assert head_rows(249) == 249 and head_rows(240) == 240
+    assert head_rows(250) == 1000
+
+
+def test_workspace_buffers_keep_their_dtype_and_are_reused_at_the_same_size():
+    from xrec.search.workspace_buffers import Workspace
+
+    workspace = Workspace(torch.device("cpu"))
+    ids = workspace.take("ids", (3, 2), torch.int64)
+    assert ids.dtype == torch.int64 and ids.device.type == "cpu"
+    again = workspace.take("ids", (2, 3), torch.int64)
+    assert again.data_ptr() == ids.data_ptr() and workspace.num_bytes == 6 * 8
+    floats = workspace.take("ids", (6,), torch.float16)   # another dtype: another buffer
+    assert floats.dtype == torch.float16 and workspace.num_bytes == 6 * 8 + 6 * 2
