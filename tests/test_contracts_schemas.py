@@ -316,3 +316,14 @@ def test_body_limits_are_the_largest_valid_request():
     assert max_body_bytes(_limits(True, 64)) == 2 * 10 * 64 * 32 + slack
     assert max_json_values(_limits(False, 64)) == 10 * 17 + 4096       # no embeddings read
     assert max_body_bytes(_limits(False, 64)) == 10 * 256 + slack
+
+
+def test_the_first_character_outside_bang_to_tilde_is_named():
+    with pytest.raises(InvalidArgument, match="U\\+0020 at position 2 is not allowed"):
+        request_id_of(NativeRequest(request_id="!~ x"))
+
+
+def test_four_schema_errors_show_three_and_count_one():
+    with pytest.raises(SchemaError) as info:
+        parse_body(b'{"a": 1, "b": 2, "c": 3, "d": 4}', NativeRequest)
+    assert str(info.value).endswith("c: unknown field (and 1 more)")
