@@ -374,6 +374,25 @@ def test_after_a_drop_the_next_deadline_is_the_earliest_left(make_scheduler):
     assert running.future.result(WAIT_S) == "running"
 
 
+def test_a_request_is_answered_once_and_says_whether_it_was():
+    request = make_request("r")
+    assert request.fail(Internal("first")) is True
+    assert request.fail(Internal("second")) is False
+    assert request.answer("late") is False
+    assert "first" in str(request.future.exception(0))
+    assert request.future.exception(0).request_id == "r"
+    other = make_request("o")
+    assert other.fail(RuntimeError("not an XrecError")) is True   # no request_id to set
+    assert isinstance(other.future.exception(0), RuntimeError)
+    tagged = Internal("already tagged")
+    tagged.request_id = "elsewhere"
+    third = make_request("t")
+    assert third.fail(tagged) and third.future.exception(0).request_id == "elsewhere"
+    answered = make_request("a")
+    assert answered.answer(1) is True and answered.answer(2) is False
+    assert answered.fail(Internal("x")) is False and answered.future.result(0) == 1
+
+
 def test_request_whose_deadline_is_now_is_never_launched(make_scheduler):
     clock = FakeClock(now=5.0)
     scheduler, executor = make_scheduler(make_limits(), clock=clock, is_started=False)
