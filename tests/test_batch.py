@@ -25,9 +25,6 @@ from xrec.demo import write_random_model
 from xrec.scale.batch import MANIFEST, BatchJob, load_engine, part_name, run_batch
 from xrec.scale.rows import RowSettings, read_output
 
-pa = pytest.importorskip("pyarrow")
-pq = pytest.importorskip("pyarrow.parquet")
-
 VOCAB = 64            # the "tiny" size
 WAIT_S = 120.0        # bounded waits: a hang fails instead of blocking the suite
 SETTINGS = RowSettings(beam_width=4)
@@ -95,6 +92,7 @@ def test_jsonl_records_are_the_engines_answers_in_row_order(tmp_path, model_dir,
 
 
 def test_parquet_in_and_out_with_embeddings_and_string_ids(tmp_path, model_dir, engine):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
     rng = np.random.default_rng(1)
     rows = [{"user": f"u{i}", "sparse_embedding": rng.standard_normal((i % 3 + 1, 32)).tolist()}
             for i in range(10)]
@@ -145,14 +143,22 @@ def test_missing_columns_and_files_are_refused(tmp_path, model_dir):
     with pytest.raises(ValueError, match="no id column 'id' \\(columns: user, token_ids\\); "
                                          "name it with --id-column"):
         run_batch(job(tmp_path, model_dir, tmp_path / "in.jsonl"))
-    pq.write_table(pa.Table.from_pylist([{"id": 1, "tokens": [1]}]), tmp_path / "in.parquet")
+    write_jsonl(tmp_path / "in2.jsonl", [{"id": 1, "tokens": [1]}])
     with pytest.raises(ValueError, match="exactly one input column .* found none"):
-        run_batch(job(tmp_path, model_dir, tmp_path / "in.parquet"))
+        run_batch(job(tmp_path, model_dir, tmp_path / "in2.jsonl"))
     with pytest.raises(ValueError, match="no such file"):
         run_batch(job(tmp_path, model_dir, tmp_path / "absent.jsonl"))
     (tmp_path / "in.csv").write_text("id,token_ids\n")
     with pytest.raises(ValueError, match="give --format parquet\\|jsonl"):
         run_batch(job(tmp_path, model_dir, tmp_path / "in.csv"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_parquet_columns_are_refused(tmp_path, model_dir):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.Table.from_pylist([{"id": 1, "tokens": [1]}]), tmp_path / "in.parquet")
+    with pytest.raises(ValueError, match="exactly one input column .* found none"):
+        run_batch(job(tmp_path, model_dir, tmp_path / "in.parquet"))
     assert not (tmp_path / "out").exists()
 
 
