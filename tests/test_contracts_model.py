@@ -119,3 +119,18 @@ def test_random_weights_follow_the_seed_and_their_documented_scales():
     assert 0.7 < first["shared.weight"].std() < 1.3
     projection = next(t for name, t in first.items() if name.endswith("SelfAttention.q.weight"))
     assert 0.7 < projection.std() * projection.shape[-1] ** 0.5 < 1.3
+
+
+def test_random_qwen_weights_have_small_biases_and_unit_norms():
+    from xrec.model.random_init import random_state_dict
+    from xrec.qwen_config import QwenConfig
+
+    config = QwenConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=48,
+                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, torch_dtype="float32")
+    weights = random_state_dict(config, seed=3)
+    biases = torch.cat([t for name, t in weights.items() if name.endswith(".bias")])
+    assert biases.numel() > 0 and 0.05 < biases.std() < 0.2
+    norms = torch.cat([t for name, t in weights.items() if name.endswith("norm.weight")])
+    assert 0.9 < norms.mean() < 1.1 and 0.05 < norms.std() < 0.2
+    assert 0.1 < weights["model.embed_tokens.weight"].std() * 32 ** 0.5 < 1.5
