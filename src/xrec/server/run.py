@@ -164,7 +164,10 @@ def _run(server: DrainingServer, sock: socket.socket, args: argparse.Namespace, 
 
     def load() -> None:
         try:
-            engine = Engine.from_pretrained(model_dir, catalog=args.catalog, **engine_options)
+            # in-thread: the server runs no torch of its own, so nothing throttles the
+            # pipelines, and it saves the hop to a child (README, "Embedding the engine")
+            engine = Engine.from_pretrained(model_dir, catalog=args.catalog, isolation="thread",
+                                            **engine_options)
         except BaseException as e:  # reported by serve() after the server stops
             failure.append(e)
             server.should_exit = True
@@ -242,16 +245,14 @@ def _reserve_file_descriptors(max_connections: int) -> None:
 
 def _log_start(engine: Any, name: str, host: str, port: int, has_key: bool,
                max_body_bytes: int, limits: ConnectionLimits) -> None:
-    config = engine.model.config
-    num_params = sum(p.numel() for p in engine.model.parameters())
-    num_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    info = engine.describe()
     logger.info("xrec serve: model %r (%s): %.2fM parameters, %.1f MiB of weights, catalog %s",
-                name, engine.model.device, num_params / 1e6,
-                num_bytes / 2**20, engine.catalog)
+                name, info["device"], info["num_parameters"] / 1e6,
+                info["weight_bytes"] / 2**20, info["catalog"])
     logger.info("xrec serve: d_model=%d vocab_size=%d; %d pipeline(s), workspace %.1f MiB "
-                "per pipeline", config.d_model, config.vocab_size, engine.num_pipelines,
-                engine.workspace_per_pipeline / 2**20)
-    logger.info("xrec serve: options %s", engine.options)
+                "per pipeline", info["config"].d_model, info["config"].vocab_size,
+                info["num_pipelines"], info["workspace_per_pipeline"] / 2**20)
+    logger.info("xrec serve: options %s", info["options"])
     display = f"[{host}]" if ":" in host else host
     logger.info("xrec serve: listening on http://%s:%d (auth %s, body limit %d bytes, header "
                 "limit %d bytes, header / body / keep-alive timeouts %g / %g / %g s, at most %d "
