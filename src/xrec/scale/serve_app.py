@@ -291,10 +291,11 @@ def serve_forever(options: ServeOptions, address: str | None, host: str, port: i
     if logger.getEffectiveLevel() > logging.INFO:
         logger.setLevel(logging.INFO)
     stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set())
-                for sig in (signal.SIGTERM, signal.SIGINT)}
     os.environ.setdefault(PROXY_CALLBACK_VARIABLE, PROXY_CALLBACK)   # a local cluster's proxy
     is_local = connect(address)
+    # after ray.init, which installs its own SIGTERM handler (it exits at once)
+    previous = {sig: signal.signal(sig, lambda *_: stop.set())
+                for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         start(options, host, port)
         display = f"[{host}]" if ":" in host else host
