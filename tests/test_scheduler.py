@@ -602,6 +602,7 @@ def test_close_before_start_answers_queued_requests(make_scheduler):
     scheduler.submit(request)
     scheduler.close()
     assert isinstance(request.future.exception(0), Unavailable)
+    assert str(request.future.exception(0)) == "server is shutting down"
     with pytest.raises(RuntimeError):
         scheduler.start()
 
