@@ -23,8 +23,9 @@ Decisions where the issue is silent:
   scheduler thread alive); Serve's health check calls `check_health` and replaces a
   replica that fails it. `/health` through the proxy means what it means for
   `xrec serve` (200 serving; Serve routes only to replicas whose engine has loaded).
-- A replica that dies is restarted by Serve; its in-flight requests are answered 5xx
-  by the proxy (never left hanging); the other replicas are not affected.
+- A replica that dies is restarted by Serve; its in-flight requests are answered 500
+  by the proxy, in plain text (the proxy writes that answer itself, outside any
+  middleware), never left hanging; the other replicas are not affected.
 - Metrics: `/metrics` through the proxy is the metrics of whichever replica answered;
   each replica also serves its own registry on an ephemeral port of its node
   (`replica_info()`: pid, replica id, metrics URL; `xrec serve --ray` logs them).
