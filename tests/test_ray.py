@@ -241,3 +241,23 @@ def test_a_killed_replica_fails_only_its_requests_and_is_replaced(client, app_ur
     assert len(pids) == 2 and survivor["pid"] in pids and victim["pid"] not in pids
     assert all(client.post("/v1/rec/completions", json=VALID).status_code == 200
                for _ in range(4))
+
+
+def test_build_app_takes_serve_runs_text_arguments(model_dir):
+    """`serve run xrec.scale.serve_app:build_app model=DIR replicas=2 ...` passes text."""
+    from xrec.scale.serve_app import build_app
+
+    app = build_app({"model": str(model_dir), "replicas": "3", "replica_cpus": "0.5",
+                     "max_seqs_per_batch": "32", "constrained": "false"})
+    assert type(app).__name__ == "Application"
+    options = ServeOptions(str(model_dir), engine_options={"max_seqs_per_batch": 32},
+                           num_replicas=3, replica_cpus=0.5).deployment_options()
+    assert options["num_replicas"] == 3 and options["ray_actor_options"]["num_cpus"] == 0.5
+    assert options["max_ongoing_requests"] == 1024 + 32   # the engine's queue + one batch
+    scaled = ServeOptions(str(model_dir), num_replicas=1, max_replicas=4).deployment_options()
+    assert scaled["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4,
+                                            "target_ongoing_requests": 64}
+    with pytest.raises(ValueError, match="unknown argument 'bogus'"):
+        build_app({"model": str(model_dir), "bogus": "1"})
+    with pytest.raises(ValueError, match="option max_seqs_per_batch"):
+        build_app({"model": str(model_dir), "max_seqs_per_batch": "0"})

@@ -194,7 +194,8 @@ def build_app(args: dict) -> Any:
     args = dict(args)
     names = {f.name for f in fields(ServeOptions)}
     from xrec.config import EngineOptions
-    engine_names = {f.name for f in fields(EngineOptions)}
+    engine_types = {f.name: str(f.type) for f in fields(EngineOptions)}
+    engine_names = set(engine_types)
     renames = {"model": "model_dir", "replicas": "num_replicas"}
     given: dict[str, Any] = {"engine_options": {}}
     for key, value in args.items():
@@ -202,7 +203,7 @@ def build_app(args: dict) -> Any:
         if key in names and key != "engine_options":
             given[key] = value
         elif key in engine_names:
-            given["engine_options"][key] = value
+            given["engine_options"][key] = _typed(engine_types[key], value)
         else:
             raise ValueError(f"build_app: unknown argument {key!r}; allowed: "
                              f"{sorted(names - {'engine_options'} | set(renames) | engine_names)}")
@@ -216,6 +217,19 @@ def build_app(args: dict) -> Any:
         if given.get(key) is not None:
             given[key] = float(given[key])
     return application(ServeOptions(**given))
+
+
+def _typed(kind: str, value: Any) -> Any:
+    """`serve run key=value` gives text: numbers and booleans as the option's type."""
+    if not isinstance(value, str) or value.lower() in ("none", "null"):
+        return None if isinstance(value, str) else value
+    if kind.startswith("bool"):
+        return value.lower() in ("1", "true", "yes", "on")
+    if kind.startswith("int"):
+        return int(value)
+    if kind.startswith("float"):
+        return float(value)
+    return value
 
 
 # ---- the proxy ------------------------------------------------------------------------------------
