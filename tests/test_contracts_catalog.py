@@ -150,3 +150,46 @@ def test_catalog_cli_options():
                  ["catalog", "import", "--model", "m", "--format", "xml", "f"]):
         with pytest.raises(SystemExit):
             parser.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def sid_tokenizer(tmp_path_factory):
+    from xrec.sid_vocab import SidLayout, write_sid_tokenizer
+    from xrec.tokenizer import PromptTokenizer
+
+    layout = SidLayout(num_base_tokens=512, codebook_size=16)
+    directory = tmp_path_factory.mktemp("sid")
+    write_sid_tokenizer(directory, layout)
+    return PromptTokenizer.from_model_dir(directory), layout
+
+
+def test_sid2pid_codebook_and_key_bounds_are_inclusive(tmp_path, sid_tokenizer):
+    from xrec.catalog_import import MAX_CODEBOOK_SIZE, import_sid2pid
+
+    tokenizer, layout = sid_tokenizer
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({str(16 ** 3 - 1): [1], "291": [2]}))   # (15,15,15), (1,2,3)
+    catalog = import_sid2pid(path, tokenizer, layout.vocab_size, codebook_size=16)
+    assert catalog.item_ids.tolist() == [1, 2]
+    path.write_text(json.dumps({"0": [1]}))
+    for size in (1, MAX_CODEBOOK_SIZE):
+        assert import_sid2pid(path, tokenizer, layout.vocab_size, codebook_size=size).num_items == 1
+    for size in (0, MAX_CODEBOOK_SIZE + 1):
+        with pytest.raises(CatalogError, match=f"codebook_size: got {size}"):
+            import_sid2pid(path, tokenizer, layout.vocab_size, codebook_size=size)
+    path.write_text(json.dumps({str(16 ** 3): [1]}))
+    with pytest.raises(CatalogError, match="key 4096: code c1 = 16 is outside the codebook"):
+        import_sid2pid(path, tokenizer, layout.vocab_size, codebook_size=16)
+
+
+def test_sid2pid_tokens_must_be_inside_the_vocabulary(tmp_path, sid_tokenizer):
+    from xrec.catalog_import import import_sid2pid
+
+    tokenizer, layout = sid_tokenizer
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({str(16 ** 3 - 1): [1]}))
+    top = max(max(row) for row in import_sid2pid(path, tokenizer, layout.vocab_size, 16)
+              .triples.tolist())
+    assert import_sid2pid(path, tokenizer, top + 1, 16).num_items == 1
+    with pytest.raises(CatalogError, match=f"has id {top}, outside the model's vocabulary"):
+        import_sid2pid(path, tokenizer, top, 16)
