@@ -193,3 +193,13 @@ def test_sid2pid_tokens_must_be_inside_the_vocabulary(tmp_path, sid_tokenizer):
     assert import_sid2pid(path, tokenizer, top + 1, 16).num_items == 1
     with pytest.raises(CatalogError, match=f"has id {top}, outside the model's vocabulary"):
         import_sid2pid(path, tokenizer, top, 16)
+
+
+def test_sid2pid_names_the_key_that_is_not_a_number_after_valid_ones(tmp_path, sid_tokenizer):
+    from xrec.catalog_import import import_sid2pid
+
+    tokenizer, layout = sid_tokenizer
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"291": [1], "4095": [2], "x": [3]}))
+    with pytest.raises(CatalogError, match="key 'x' is not a decimal semantic ID"):
+        import_sid2pid(path, tokenizer, layout.vocab_size, codebook_size=16)
