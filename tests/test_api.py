@@ -53,7 +53,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    engine = Engine.from_pretrained(model_dir, device="cpu", dtype="float32", max_input_len=MAX_INPUT_LEN,
+    engine = Engine.from_pretrained(model_dir, isolation="thread",
+                                    device="cpu", dtype="float32", max_input_len=MAX_INPUT_LEN,
                                     max_beam_width=MAX_BEAM_WIDTH, max_top_k=MAX_TOP_K, default_beam_width=4)
     assert engine.catalog is not None and engine.step.tables is not None
     yield engine
@@ -303,7 +304,8 @@ def test_public_names():
 
 
 def test_engine_is_a_context_manager(model_dir):
-    with Engine.from_pretrained(model_dir, device="cpu", dtype="float32", default_beam_width=2) as engine:
+    with Engine.from_pretrained(model_dir, isolation="thread",
+                                device="cpu", dtype="float32", default_beam_width=2) as engine:
         response = wait(engine.submit(good_request()))
         assert len(response.results) == 2
     with pytest.raises(xrec.Unavailable):
@@ -336,12 +338,13 @@ def test_recommend_async(engine):
 ])
 def test_bad_engine_option(model_dir, options, word):
     with pytest.raises(ValueError, match=word):
-        Engine.from_pretrained(model_dir, **options)
+        Engine.from_pretrained(model_dir, isolation="thread", **options)
 
 
 def test_engine_option_normalize_default(model_dir):
     """The engine's `normalize` is the default; a request may override it."""
-    with Engine.from_pretrained(model_dir, device="cpu", dtype="float32", normalize="full",
+    with Engine.from_pretrained(model_dir, isolation="thread",
+                                device="cpu", dtype="float32", normalize="full",
                                 default_beam_width=4) as engine:
         full, allowed, explicit = recommend(engine, [good_request(), good_request(normalize="allowed"),
                                                      good_request(normalize="full")])

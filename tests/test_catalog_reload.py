@@ -80,7 +80,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture
 def engine(model_dir):
-    engine = Engine.from_pretrained(model_dir, device="cpu", max_concurrency=2)
+    engine = Engine.from_pretrained(model_dir, isolation="thread", device="cpu", max_concurrency=2)
     engine.executor.fault = gate = HoldBatches()
     yield engine
     gate.release.set()
@@ -210,7 +210,8 @@ def test_a_load_gives_up_when_the_previous_catalog_stays_busy(engine):
 
 
 def test_unconstrained_engine_uses_a_loaded_catalog_for_items_only(model_dir):
-    with Engine.from_pretrained(model_dir, device="cpu", constrained=False) as engine:
+    with Engine.from_pretrained(model_dir, isolation="thread",
+                                device="cpu", constrained=False) as engine:
         assert engine.step.tables is None
         found = [r.tokens for r in answer(engine).results]          # free decoding's triples
         catalog = ItemCatalog.from_arrays(np.arange(len(found)) + 7 * 10**6, found, VOCAB)
@@ -241,7 +242,7 @@ def test_decoder_only_catalog_tokens_are_checked_against_the_tokenizer(tmp_path)
     layout = SidLayout(num_base_tokens=512, codebook_size=16)
     known = [layout.itemic_id(level, 1) for level in range(3)]
     unknown = [known[0], layout.num_tokens, known[2]]     # padding: no token string for it
-    with Engine.from_pretrained(directory) as engine:
+    with Engine.from_pretrained(directory, isolation="thread") as engine:
         current = engine.catalog_version
         with pytest.raises(InvalidArgument, match=rf"item 12 has token {layout.num_tokens} .*tokenizer"):
             engine.load_catalog(ItemCatalog.from_arrays([11, 12], [known, unknown], layout.vocab_size))
@@ -327,7 +328,8 @@ def test_hot_reload_under_load(model_dir, tmp_path):
             catalog = catalog_of(20 + step, num_items=200 + 30 * step)
             catalogs[catalog.content_hash()] = catalog
             files.append(write(catalog, tmp_path / f"good-{step}.bin"))
-    engine = Engine.from_pretrained(model_dir, device="cpu", max_concurrency=2, max_seqs_per_batch=8)
+    engine = Engine.from_pretrained(model_dir, isolation="thread",
+                                    device="cpu", max_concurrency=2, max_seqs_per_batch=8)
     catalogs[engine.catalog_version.content_hash] = engine.catalog
     server = ServerThread(create_app(engine))
     stop = threading.Event()

@@ -46,7 +46,7 @@ def test_make_model_writes_a_loadable_directory(tiny_model):
     assert any(name.endswith(".safetensors") for name in names)
     catalog = ItemCatalog.from_model_dir(tiny_model, 64)
     assert catalog is not None and catalog.num_items == 500
-    with Engine.from_pretrained(tiny_model, device="cpu", dtype="float32") as engine:
+    with Engine.from_pretrained(tiny_model, isolation="thread", device="cpu", dtype="float32") as engine:
         assert engine.model.config.vocab_size == 64 and engine.model.config.d_model == 32
         assert engine.catalog is not None and engine.catalog.num_items == 500
         box: dict = {}
@@ -86,7 +86,7 @@ def test_recommend_prints_a_table(tiny_model, home):
         assert sum(lps) == pytest.approx(scores[-1], abs=2e-3)
     assert scores == sorted(scores, reverse=True)
     # the same request through the Python API (the CLI's default beam width 128) ranks the same
-    with Engine.from_pretrained(tiny_model, device="cpu", dtype="float32") as engine:
+    with Engine.from_pretrained(tiny_model, isolation="thread", device="cpu", dtype="float32") as engine:
         future = engine.submit(RecRequest(token_ids=[1, 2, 3], beam_width=128))
         response = future.result(timeout=TIMEOUT_S)
     assert [c.tokens for c in response.results[:5]] == [

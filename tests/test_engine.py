@@ -69,9 +69,10 @@ class Gate:
 
 def test_two_pipelines_run_two_batches_at_once_with_equal_results(model_dir):
     requests = _requests(6)
-    with Engine.from_pretrained(model_dir, device="cpu", max_concurrency=1) as engine:
+    with Engine.from_pretrained(model_dir, isolation="thread",
+                                device="cpu", max_concurrency=1) as engine:
         serial = _summary(engine.recommend(requests))
-    with Engine.from_pretrained(model_dir, device="cpu", max_concurrency=2,
+    with Engine.from_pretrained(model_dir, isolation="thread", device="cpu", max_concurrency=2,
                                 max_seqs_per_batch=1) as engine:
         gate = Gate()
         engine.executor.fault = gate
@@ -89,7 +90,8 @@ def test_pipeline_threads_leave_other_threads_thread_counts_alone(model_dir):
     (torch.set_num_threads would have made every new thread single-threaded)."""
     seen: list[int] = []
     before = in_thread(torch.get_num_threads)
-    with Engine.from_pretrained(model_dir, device="cpu", max_concurrency=2, num_threads=2) \
+    with Engine.from_pretrained(model_dir, isolation="thread",
+                                device="cpu", max_concurrency=2, num_threads=2) \
             as engine:
         engine.executor.fault = lambda batch: seen.append(torch.get_num_threads())
         engine.recommend(_requests(2))
@@ -111,7 +113,8 @@ def faults() -> int:
     cycle()
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
-engine = Engine.from_pretrained(sys.argv[1], device="cpu", retain_host_memory=sys.argv[2] == "1")
+engine = Engine.from_pretrained(sys.argv[1], isolation="thread",
+                                device="cpu", retain_host_memory=sys.argv[2] == "1")
 for _ in range(4):
     cycle()
 print(max(faults() for _ in range(3)))
@@ -135,7 +138,8 @@ def test_cpu_engine_keeps_freed_host_memory_mapped_for_reuse(model_dir):
 
 
 def test_failure_in_one_batch_fails_only_that_batch(model_dir):
-    with Engine.from_pretrained(model_dir, device="cpu", max_seqs_per_batch=1) as engine:
+    with Engine.from_pretrained(model_dir, isolation="thread",
+                                device="cpu", max_seqs_per_batch=1) as engine:
         def fault(batch):
             if any(r.request_id == "bad" for r in batch):
                 raise RuntimeError("injected")
@@ -149,7 +153,8 @@ def test_failure_in_one_batch_fails_only_that_batch(model_dir):
 
 
 def test_deadline_passes_while_waiting(model_dir):
-    with Engine.from_pretrained(model_dir, device="cpu", max_seqs_per_batch=1) as engine:
+    with Engine.from_pretrained(model_dir, isolation="thread",
+                                device="cpu", max_seqs_per_batch=1) as engine:
         gate = Gate()
         engine.executor.fault = gate
         blocker = engine.submit(RecRequest(token_ids=[1], beam_width=4))
@@ -165,7 +170,7 @@ def test_batch_that_finishes_after_the_deadline_fails_it(model_dir):
     """The executor checks each deadline when the batch is done: a batch that ran past it
     answers DEADLINE_EXCEEDED (on time is up to and including the deadline). The fault hook
     freezes the executor's clock an hour ahead and sets the deadlines around that instant."""
-    with Engine.from_pretrained(model_dir, device="cpu") as engine:
+    with Engine.from_pretrained(model_dir, isolation="thread", device="cpu") as engine:
         frozen: list[float] = []
         engine.executor.clock = lambda: frozen[0] if frozen else time.monotonic()
         offsets = {"late": -0.001, "exact": 0.0}
@@ -189,7 +194,7 @@ def test_batch_that_finishes_after_the_deadline_fails_it(model_dir):
 
 def test_failed_batch_has_failed_its_requests_by_the_time_it_reports(model_dir):
     """Answers come before the batch report: no client waits on a batch that is over."""
-    with Engine.from_pretrained(model_dir, device="cpu") as engine:
+    with Engine.from_pretrained(model_dir, isolation="thread", device="cpu") as engine:
         reports: queue.SimpleQueue = queue.SimpleQueue()
         engine.add_report_hook(reports.put)
 
@@ -205,7 +210,8 @@ def test_failed_batch_has_failed_its_requests_by_the_time_it_reports(model_dir):
 
 
 def test_cancelled_waiting_request_is_dropped(model_dir):
-    with Engine.from_pretrained(model_dir, device="cpu", max_seqs_per_batch=1) as engine:
+    with Engine.from_pretrained(model_dir, isolation="thread",
+                                device="cpu", max_seqs_per_batch=1) as engine:
         gate = Gate()
         engine.executor.fault = gate
         blocker = engine.submit(RecRequest(token_ids=[1], beam_width=4))
@@ -218,14 +224,15 @@ def test_cancelled_waiting_request_is_dropped(model_dir):
 
 
 def test_too_big_fails_at_once_while_others_are_served(model_dir):
-    with Engine.from_pretrained(model_dir, device="cpu", max_tokens_per_batch=16) as engine:
+    with Engine.from_pretrained(model_dir, isolation="thread",
+                                device="cpu", max_tokens_per_batch=16) as engine:
         with pytest.raises(ResourceExhausted, match="max_tokens_per_batch"):
             engine.submit(RecRequest(token_ids=list(range(20)), beam_width=4))
         assert engine.recommend(_requests(3))[2].results
 
 
 def test_close_drains_queued_requests_then_refuses(model_dir):
-    engine = Engine.from_pretrained(model_dir, device="cpu", max_seqs_per_batch=1)
+    engine = Engine.from_pretrained(model_dir, isolation="thread", device="cpu", max_seqs_per_batch=1)
     futures = [engine.submit(r) for r in _requests(4)]
     engine.close(grace_s=WAIT_S)
     assert all(f.result(0).results for f in futures)

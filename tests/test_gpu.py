@@ -26,9 +26,10 @@ def _requests():
 
 
 def test_cuda_results_equal_cpu_results(model_dir):
-    with Engine.from_pretrained(model_dir, device="cpu") as engine:
+    with Engine.from_pretrained(model_dir, isolation="thread", device="cpu") as engine:
         expected = engine.recommend(_requests())
-    with Engine.from_pretrained(model_dir, device="cuda", dtype="float32", max_concurrency=2,
+    with Engine.from_pretrained(model_dir, isolation="thread",
+                                device="cuda", dtype="float32", max_concurrency=2,
                                 max_seqs_per_batch=2) as engine:
         actual = engine.recommend(_requests())
     for a, e in zip(actual, expected):
@@ -38,6 +39,7 @@ def test_cuda_results_equal_cpu_results(model_dir):
 
 
 def test_cuda_bfloat16_serves(model_dir):
-    with Engine.from_pretrained(model_dir, device="cuda") as engine:   # auto dtype: bfloat16
+    with Engine.from_pretrained(model_dir, isolation="thread",
+                                device="cuda") as engine:   # auto dtype: bfloat16
         responses = engine.recommend(_requests())
     assert all(r.results for r in responses)

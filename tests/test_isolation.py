@@ -21,6 +21,7 @@ import pytest
 
 from xrec import DeadlineExceeded, Engine, InvalidArgument, RecRequest, Unavailable
 from xrec.demo import write_random_model
+from xrec.engine.isolated import ProcessEngine
 from xrec.engine.transport import ARENA_MIN_BYTES, Arena, dumps, loads
 from xrec.model.loader import CheckpointError
 
@@ -34,7 +35,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    with Engine.from_pretrained(model_dir, isolation="process", device="cpu") as engine:
+    with Engine.from_pretrained(model_dir, device="cpu") as engine:   # the default: process
         yield engine
 
 
@@ -74,7 +75,7 @@ def test_results_equal_in_thread_execution(model_dir, engine):
     # tokens, scores, log-probs, items, ids and usage, bit for bit (timings differ)
     assert [(r.request_id, r.results, r.usage) for r in got] == \
         [(r.request_id, r.results, r.usage) for r in expected]
-    assert engine.pid != os.getpid() and _is_alive(engine.pid)
+    assert isinstance(engine, ProcessEngine) and engine.pid != os.getpid() and _is_alive(engine.pid)
 
 
 def test_edge_errors_are_raised_here_and_child_errors_keep_their_class(model_dir, engine):

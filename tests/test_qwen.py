@@ -76,7 +76,8 @@ def engines(models):
             _, directory, _ = models(variant)
             catalog = None if num_items is None else ItemCatalog.from_arrays(
                 np.arange(num_items), np.array(random_triples(num_items, num_items)), VOCAB)
-            cache[key] = Engine.from_pretrained(directory, catalog=catalog, max_input_len=64)
+            cache[key] = Engine.from_pretrained(directory, isolation="thread",
+                                                catalog=catalog, max_input_len=64)
         return cache[key]
     yield get
     for engine in cache.values():
@@ -211,7 +212,7 @@ def test_bad_requests_name_the_field(engines, kwargs, words):
 
 def test_prompt_beyond_max_position_embeddings(models):
     _, directory, _ = models("qwen3")   # max_position_embeddings 512, 3 rounds: 510 prompt positions
-    with Engine.from_pretrained(directory, max_input_len=1024) as engine:
+    with Engine.from_pretrained(directory, isolation="thread", max_input_len=1024) as engine:
         assert engine.recommend([RecRequest(token_ids=[1] * 510, beam_width=2)])[0].results
         with pytest.raises(InvalidArgument, match="token_ids.*511.*max_position_embeddings"):
             engine.recommend([RecRequest(token_ids=[1] * 511, beam_width=2)])
@@ -219,15 +220,15 @@ def test_prompt_beyond_max_position_embeddings(models):
 
 def test_generation_prefix_ids_are_appended(models, engines):
     _, directory, naive = models("qwen3")
-    with Engine.from_pretrained(directory, generation_prefix=[17, 18]) as engine:
+    with Engine.from_pretrained(directory, isolation="thread", generation_prefix=[17, 18]) as engine:
         got, = engine.recommend([RecRequest(token_ids=PROMPTS[0], beam_width=4)])
     assert got.usage["input_tokens"] == len(PROMPTS[0]) + 2
     want = naive_causal_beam_search(naive, token_ids=PROMPTS[0] + [17, 18], beam_width=4)
     assert_beams_close(results_of(got), want, atol=SCORE_ATOL)
     with pytest.raises(ValueError, match="generation_prefix.*text.*tokenizer"):
-        Engine.from_pretrained(directory, generation_prefix="<|sid_begin|>")
+        Engine.from_pretrained(directory, isolation="thread", generation_prefix="<|sid_begin|>")
     with pytest.raises(ValueError, match="generation_prefix.*vocabulary"):
-        Engine.from_pretrained(directory, generation_prefix=[VOCAB])
+        Engine.from_pretrained(directory, isolation="thread", generation_prefix=[VOCAB])
 
 
 def test_checkpoint_missing_q_norm_is_named(models, tmp_path):
@@ -262,8 +263,9 @@ def test_catalog_tokens_the_tokenizer_does_not_know_are_refused(tmp_path):
     catalog = ItemCatalog.from_arrays([11, 12], [known, [known[0], unknown, known[2]]],
                                       layout.vocab_size)
     with pytest.raises(ValueError, match=rf"item 12 has token {unknown} at level 1.*tokenizer"):
-        Engine.from_pretrained(directory, catalog=catalog)
-    with Engine.from_pretrained(directory, catalog=ItemCatalog.from_arrays([11], [known],
+        Engine.from_pretrained(directory, isolation="thread", catalog=catalog)
+    with Engine.from_pretrained(directory, isolation="thread",
+                                catalog=ItemCatalog.from_arrays([11], [known],
                                                                            layout.vocab_size)) as engine:
         result, = engine.recommend([RecRequest(prompt="hello", beam_width=2)])[0].results
     assert result.items[0].item_id == 11 and result.text == "<s_a_1><s_b_1><s_c_1>"

@@ -151,8 +151,10 @@ def hf_setup(tmp_path_factory):
     for name, kw in HF_MODELS.items():
         model, directory = make_hf_t5(tmp_path_factory.mktemp(name), **kw)
         catalog = make_catalog(random_triples(kw["seed"], 300), seed=kw["seed"])
-        with_catalog = Engine.from_pretrained(directory, catalog=catalog, device="cpu", dtype="float32")
-        without = Engine.from_pretrained(directory, catalog=None, device="cpu", dtype="float32")
+        with_catalog = Engine.from_pretrained(directory, isolation="thread",
+                                              catalog=catalog, device="cpu", dtype="float32")
+        without = Engine.from_pretrained(directory, isolation="thread",
+                                         catalog=None, device="cpu", dtype="float32")
         assert with_catalog.step.tables is not None and without.step.tables is None
         engines += [with_catalog, without]
         out[name] = (model, {"catalog": with_catalog, "none": without}, catalog)
@@ -232,7 +234,8 @@ def naive_engines(naive_setup):
             catalog = {"random": lambda: make_catalog(clustered_triples(31)),
                        "wide": lambda: make_catalog(wide_triples(32)),
                        "none": lambda: None}[kind]()
-            engine = Engine.from_pretrained(directory, catalog=catalog, device="cpu", dtype="float32")
+            engine = Engine.from_pretrained(directory, isolation="thread",
+                                            catalog=catalog, device="cpu", dtype="float32")
             assert (engine.step.tables is None) == (catalog is None)
             cache[key] = (naive, engine, None if catalog is None else unique_triples(catalog))
         return cache[key]
@@ -382,7 +385,8 @@ def test_fewer_valid_items_than_requested(naive_setup, dense_dir, normalize):
     naive = naive_setup["dense"][0]
     triples = [(1, 2, 3), (1, 2, 4), (5, 6, 7)]
     catalog = make_catalog(triples + [(1, 2, 3)])          # a collision: 4 items, 3 triples
-    with Engine.from_pretrained(dense_dir, catalog=catalog, device="cpu", dtype="float32") as engine:
+    with Engine.from_pretrained(dense_dir, isolation="thread",
+                                catalog=catalog, device="cpu", dtype="float32") as engine:
         requests = [RecRequest(token_ids=[9, 9], beam_width=8, normalize=normalize),
                     RecRequest(token_ids=[3, 1, 4, 1, 5], beam_width=2, num_return_sequences=5,
                                normalize=normalize),
@@ -436,7 +440,8 @@ def _collision_catalog(extended: bool = False) -> tuple[ItemCatalog, dict]:
 def test_item_conversion_and_caps(dense_dir, each, total):
     catalog, by_triple = _collision_catalog()
     assert 500 not in by_triple[min(by_triple)] and by_triple[sorted(by_triple)[1]][-1] == 500
-    with Engine.from_pretrained(dense_dir, catalog=catalog, device="cpu", dtype="float32",
+    with Engine.from_pretrained(dense_dir, isolation="thread",
+                                catalog=catalog, device="cpu", dtype="float32",
                                 each_conversion_threshold=each,
                                 total_conversion_threshold=total) as engine:
         requests = [RecRequest(token_ids=[1, 2, 3], beam_width=8),
@@ -462,7 +467,8 @@ def test_extended_catalog_items(dense_dir):
     catalog, by_triple = _collision_catalog(extended=True)
     did_of = dict(zip(catalog.item_ids.tolist(), catalog.dids))
     type_of = dict(zip(catalog.item_ids.tolist(), catalog.types))
-    with Engine.from_pretrained(dense_dir, catalog=catalog, device="cpu", dtype="float32",
+    with Engine.from_pretrained(dense_dir, isolation="thread",
+                                catalog=catalog, device="cpu", dtype="float32",
                                 each_conversion_threshold=4) as engine:
         response, = recommend(engine, [RecRequest(token_ids=[8, 9], beam_width=6)])
         hidden, = recommend(engine, [RecRequest(token_ids=[8, 9], beam_width=6, return_items=False)])
@@ -477,7 +483,8 @@ def test_extended_catalog_items(dense_dir):
 
 def test_unconstrained_engine_returns_no_items(dense_dir):
     catalog, _ = _collision_catalog()
-    with Engine.from_pretrained(dense_dir, catalog=catalog, device="cpu", dtype="float32",
+    with Engine.from_pretrained(dense_dir, isolation="thread",
+                                catalog=catalog, device="cpu", dtype="float32",
                                 constrained=False) as engine:
         assert engine.step.tables is None
         response, = recommend(engine, [RecRequest(token_ids=[1, 2], beam_width=64)])
@@ -493,12 +500,15 @@ def test_rounds_option(naive_setup, dense_dir):
     catalog = make_catalog(clustered_triples(31))
     for rounds in (2, 4):
         with pytest.raises(ValueError, match="rounds"):
-            Engine.from_pretrained(dense_dir, catalog=catalog, device="cpu", dtype="float32", rounds=rounds)
+            Engine.from_pretrained(dense_dir, isolation="thread",
+                                   catalog=catalog, device="cpu", dtype="float32", rounds=rounds)
     with pytest.raises(ValueError, match="no items"):
-        Engine.from_pretrained(dense_dir, catalog=make_catalog(np.zeros((0, 3), np.int64)), device="cpu",
+        Engine.from_pretrained(dense_dir, isolation="thread",
+                               catalog=make_catalog(np.zeros((0, 3), np.int64)), device="cpu",
                                dtype="float32")
     for rounds in (1, 2, 4):
-        with Engine.from_pretrained(dense_dir, catalog=catalog, device="cpu", dtype="float32",
+        with Engine.from_pretrained(dense_dir, isolation="thread",
+                                    catalog=catalog, device="cpu", dtype="float32",
                                     constrained=False, rounds=rounds) as engine:
             response, = recommend(engine, [RecRequest(token_ids=[1, 2, 3], beam_width=4,
                                                       num_return_sequences=6)])
@@ -519,7 +529,8 @@ def flat_dir(tmp_path_factory):
 
 def test_tie_rule_unconstrained(flat_dir):
     """Equal scores: lower parent beam first, then the lower token (spec/beam.md)."""
-    with Engine.from_pretrained(flat_dir, catalog=None, device="cpu", dtype="float32") as engine:
+    with Engine.from_pretrained(flat_dir, isolation="thread",
+                                catalog=None, device="cpu", dtype="float32") as engine:
         requests = [RecRequest(token_ids=[1, 2, 3], beam_width=3, num_return_sequences=4),
                     RecRequest(token_ids=[4], beam_width=5)]
         for got in ([response_results(r) for r in recommend(engine, requests)], run_step(engine, requests)):
@@ -531,7 +542,8 @@ def test_tie_rule_unconstrained(flat_dir):
 def test_tie_rule_constrained(flat_dir):
     triples = [(9, 1, 2), (9, 1, 1), (4, 7, 7), (4, 7, 3), (4, 2, 5), (9, 3, 3), (30, 0, 0), (4, 2, 8)]
     catalog = make_catalog(triples)
-    with Engine.from_pretrained(flat_dir, catalog=catalog, device="cpu", dtype="float32") as engine:
+    with Engine.from_pretrained(flat_dir, isolation="thread",
+                                catalog=catalog, device="cpu", dtype="float32") as engine:
         requests = [RecRequest(token_ids=[1], beam_width=2, num_return_sequences=3, normalize="full"),
                     RecRequest(token_ids=[1], beam_width=8, normalize="full")]
         for got in ([response_results(r) for r in recommend(engine, requests)], run_step(engine, requests)):
@@ -540,7 +552,8 @@ def test_tie_rule_constrained(flat_dir):
             assert [t for t, _, _ in got[1]] == sorted(triples)
     # 64 tied first tokens and 64 tied last tokens: the kept ones are the lowest, not the kernel's
     triples = [(a, (7 * a) % VOCAB, (13 * a) % VOCAB) for a in range(VOCAB)] + [(0, 0, c) for c in range(VOCAB)]
-    with Engine.from_pretrained(flat_dir, catalog=make_catalog(triples), device="cpu", dtype="float32") as engine:
+    with Engine.from_pretrained(flat_dir, isolation="thread",
+                                catalog=make_catalog(triples), device="cpu", dtype="float32") as engine:
         requests = [RecRequest(token_ids=[1], beam_width=3, normalize="full"),
                     RecRequest(token_ids=[2, 3], beam_width=2, num_return_sequences=5, normalize="full")]
         for got in ([response_results(r) for r in recommend(engine, requests)], run_step(engine, requests)):

@@ -153,7 +153,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    engine = Engine.from_pretrained(model_dir, device="cpu")
+    engine = Engine.from_pretrained(model_dir, isolation="thread", device="cpu")
     engine.executor.fault = gate = Gate()
     engine.test_gate = gate
     yield engine
@@ -559,7 +559,7 @@ def test_client_disconnect_frees_request(server, engine, gate):
 
 
 def test_drain_finishes_in_flight_requests(model_dir):
-    engine = Engine.from_pretrained(model_dir, device="cpu", request_queue_size=1)
+    engine = Engine.from_pretrained(model_dir, isolation="thread", device="cpu", request_queue_size=1)
     gate = engine.executor.fault = Gate()
     app = create_app(engine)
     running = ServerThread(app, DrainingServer, service=app.state.xrec, grace_s=WAIT_S)

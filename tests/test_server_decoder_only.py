@@ -65,7 +65,7 @@ class Served:
 
 
 def _serve(model_dir: Path, **options):
-    engine = Engine.from_pretrained(model_dir, device="cpu", **options)
+    engine = Engine.from_pretrained(model_dir, isolation="thread", device="cpu", **options)
     server = ServerThread(create_app(engine))
     client = httpx.Client(base_url=server.url, timeout=WAIT_S)
     try:

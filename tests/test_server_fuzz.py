@@ -38,7 +38,7 @@ MODELS = {"onerec": ("tiny", {}),
 def fuzzed(request, tmp_path_factory):
     size, options = MODELS[request.param]
     model_dir = write_random_model(tmp_path_factory.mktemp(request.param) / size, size, 0, 500)
-    engine = Engine.from_pretrained(model_dir, device="cpu", **options)
+    engine = Engine.from_pretrained(model_dir, isolation="thread", device="cpu", **options)
     running = limited_server(engine)
     yield running
     running.stop()

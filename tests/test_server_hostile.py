@@ -295,7 +295,7 @@ def test_huge_shapes_are_400(served, path, body):
 # ---- 7. shutdown past the grace period -----------------------------------------------------------
 
 def test_requests_unfinished_after_the_grace_period_get_503_json(model_dir):
-    engine = Engine.from_pretrained(model_dir, device="cpu")
+    engine = Engine.from_pretrained(model_dir, isolation="thread", device="cpu")
     gate = engine.executor.fault = Gate()
     running = limited_server(engine, grace_s=0.2)
     try:

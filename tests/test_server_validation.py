@@ -27,7 +27,7 @@ WAIT_S = 60.0
 def engine(tmp_path_factory):
     directory = write_random_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", seed=0,
                                    num_items=500)
-    engine = Engine.from_pretrained(directory, device="cpu")
+    engine = Engine.from_pretrained(directory, isolation="thread", device="cpu")
     yield engine
     engine.close(5)
 

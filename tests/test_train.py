@@ -99,7 +99,7 @@ def test_trained_directory_serves_what_was_trained(split, trained):
     for family, model_dir in trained.items():
         vocab = SidVocabulary.read(model_dir, split.data.num_items)
         prompt = prompts(vocab, [split.train[0]], 8)[0]
-        with Engine.from_pretrained(model_dir, device="cpu") as engine:
+        with Engine.from_pretrained(model_dir, isolation="thread", device="cpu") as engine:
             best = engine.recommend([RecRequest(token_ids=prompt, beam_width=8,
                                                 normalize="full")])[0].results[0]
         model = TrainableModel.create(_config(model_dir), seed=0)

@@ -16,7 +16,7 @@ from xrec.search.workspace_buffers import Workspace
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     directory = write_random_model(tmp_path_factory.mktemp("tiny"), "tiny", seed=5, num_items=400)
-    with Engine.from_pretrained(directory, device="cpu") as engine:
+    with Engine.from_pretrained(directory, isolation="thread", device="cpu") as engine:
         yield engine
 
 

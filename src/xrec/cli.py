@@ -191,7 +191,7 @@ def _recommend(args: argparse.Namespace) -> int:
         except ValueError:
             raise ValueError(f"--token-ids: expected comma-separated integers, got {text!r}") from None
         request = RecRequest(token_ids=ids, **search)
-    with Engine.from_pretrained(model_dir, catalog=args.catalog, device=args.device,
+    with Engine.from_pretrained(model_dir, isolation="thread", catalog=args.catalog, device=args.device,
                                 generation_prefix=args.generation_prefix) as engine:
         try:
             response = engine.recommend([request])[0]

@@ -56,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = Engine.from_pretrained(model_dir_of(args), device=args.device, num_threads=args.threads)
+    engine = Engine.from_pretrained(model_dir_of(args), isolation="thread", device=args.device,
+                                    num_threads=args.threads)
     try:
         env = environment(args.device)
         config = engine.model.config

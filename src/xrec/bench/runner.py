@@ -46,7 +46,8 @@ def load_contenders(names: list[str], model_dir: Path, device: str, threads: int
     engine = model = None
     if {"xrec", "xrec-full"} & set(names):
         options = {"device": device, "num_threads": threads, **(engine_options or {})}
-        engine = Engine.from_pretrained(model_dir, **{k: v for k, v in options.items() if v is not None})
+        engine = Engine.from_pretrained(model_dir, isolation="thread",
+                                        **{k: v for k, v in options.items() if v is not None})
         model = engine.model
     if model is None or model.dtype != torch.float32:
         model = load_model(model_dir, device, torch.float32)

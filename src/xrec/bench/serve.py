@@ -232,7 +232,8 @@ def server_vs_offline(url: str, model_dir, max_concurrency: int | None, args: ar
         # torch op on this long-lived thread would keep an OpenMP team that slows the
         # engine's pipelines (docs/decisions.md, Benchmarks)
         with in_fresh_thread(lambda: Engine.from_pretrained(
-                model_dir, **{k: v for k, v in options.items() if v is not None})) as engine:
+                model_dir, isolation="thread",   # as the server's
+                **{k: v for k, v in options.items() if v is not None})) as engine:
             for index in range(args.warmup + args.repeats):
                 start = time.perf_counter()
                 engine.recommend(requests)

@@ -34,18 +34,21 @@ from xrec.search.workspace import BatchShape, WorkspaceModel
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_ISOLATION = "thread"
+# The pipelines in a child process by default: a host that runs its own torch work on a
+# long-lived thread cannot throttle them (README, "Embedding the engine").
+DEFAULT_ISOLATION = "process"
 
 
 class Engine(EngineFrontend):
     """A loaded model (+ catalog) behind a fixed-steps scheduler and concurrent pipelines.
 
-    >>> engine = Engine.from_pretrained(model_dir, max_concurrency=2)
+    >>> engine = Engine.from_pretrained(model_dir, isolation="thread", max_concurrency=2)
     >>> engine.recommend([RecRequest(token_ids=[5, 17, 9], beam_width=128)])
 
-    On a CPU, keep the process's other torch work off long-lived threads: a thread
-    that ran a parallel op keeps an OpenMP team, and libgomp then throttles every
-    team, the pipelines' included (README, "One process, several OpenMP teams").
+    In-thread, the host's own torch work can slow the pipelines: a long-lived thread
+    that ran a parallel op keeps an OpenMP team, and libgomp then throttles every team
+    of the process. `from_pretrained`'s default, isolation="process", avoids that
+    (README, "Embedding the engine").
     """
 
     def __init__(self, model: RecModel, catalog: ItemCatalog | None, options: EngineOptions,
@@ -105,9 +108,10 @@ class Engine(EngineFrontend):
                         isolation: str = DEFAULT_ISOLATION, **engine_options: Any) -> EngineFrontend:
         """Load `model_dir` (config.json + safetensors, and tokenizer.json when it has one).
         `catalog`: None (the model directory's own, if any), a path, or an `ItemCatalog`.
-        `isolation`: "thread" runs the pipelines in this process; "process" runs them in a
-        child process (`ProcessEngine`, same API), where the host's own torch work cannot
-        throttle them (README, "Embedding the engine")."""
+        `isolation`: "process" (default) runs the pipelines in a child process
+        (`ProcessEngine`, the same request API), where the host's own torch work cannot
+        throttle them; "thread" runs them in this process, returning an `Engine` (its
+        internals reachable; what `xrec serve` uses). README, "Embedding the engine"."""
         if isolation == "process":
             from xrec.engine.isolated import ProcessEngine
             return ProcessEngine.start(model_dir, catalog, engine_options)

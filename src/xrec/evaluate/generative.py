@@ -36,7 +36,8 @@ class GenerativeRanker:
             raise DataError(f"{model_dir} has no {PROMPT_FILE}: not a model of `xrec train`")
         spec = json.loads(spec_path.read_text())
         vocab = SidVocabulary.read(model_dir, num_items)
-        return cls(Engine.from_pretrained(model_dir, **engine_options), vocab, spec["max_items"])
+        return cls(Engine.from_pretrained(model_dir, isolation="thread",
+                                          **engine_options), vocab, spec["max_items"])
 
     def close(self) -> None:
         self.engine.close()
