@@ -23,9 +23,10 @@ import statistics
 import time
 
 from xrec.bench.cli import model_dir_of, progress_bar
-from xrec.bench.common import (environment, environment_markdown, in_fresh_thread, markdown_table,
+from xrec.bench.common import (environment, environment_markdown, markdown_table,
                                output_paths, pyplot, write_outputs)
 from xrec.bench.models import make_workload
+from xrec.fresh_thread import in_fresh_thread
 
 # (file, function) of the innermost xrec frame -> part; "{r}" takes the call's round
 PARTS = {

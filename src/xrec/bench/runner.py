@@ -7,9 +7,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from xrec.bench.common import MIB, PeakMemory, in_fresh_thread, summarize
+from xrec.bench.common import MIB, PeakMemory, summarize
 from xrec.bench.contenders import HFContender, XrecContender, build_trie, overlap
 from xrec.bench.models import Workload
+from xrec.fresh_thread import in_fresh_thread
 
 CONTENDERS = ("xrec", "xrec-full", "hf", "naive")
 SLOW = ("hf", "naive")          # run --hf-repeats times instead of --repeats

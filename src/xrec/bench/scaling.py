@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 
 from xrec.bench.cli import progress_bar, slow_repeats_of
-from xrec.bench.common import (environment, environment_markdown, in_fresh_thread, markdown_table,
+from xrec.bench.common import (environment, environment_markdown, markdown_table,
                                output_paths, pyplot, write_outputs)
 from xrec.bench.models import make_workload
 from xrec.bench.runner import load_for, num_runs, run_point
+from xrec.fresh_thread import in_fresh_thread
 
 MEMORY_TARGET = (512, 1024, 1)     # W, L, B
 AXES = ("beam_width", "input_len", "num_requests")

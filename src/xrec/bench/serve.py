@@ -33,8 +33,9 @@ import numpy as np
 
 from xrec.bench.cli import model_dir_of, progress_bar
 from xrec.bench.rawhttp import Connection, burst
-from xrec.bench.common import (environment, environment_markdown, in_fresh_thread, markdown_table,
+from xrec.bench.common import (environment, environment_markdown, markdown_table,
                                output_paths, percentile, pyplot, write_outputs)
+from xrec.fresh_thread import in_fresh_thread
 
 ROUTE = "/v1/rec/completions"
 

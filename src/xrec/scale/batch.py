@@ -246,22 +246,10 @@ def load_engine(model_dir: str, catalog: str | None, options: dict) -> Any:
     """The engine, loaded in a thread that ends: torch work on a long-lived thread keeps an
     OpenMP team that slows the pipeline (docs/decisions.md, Benchmarks)."""
     from xrec import Engine
+    from xrec.fresh_thread import in_fresh_thread
 
-    box: dict = {}
-
-    def load() -> None:
-        try:
-            box["engine"] = Engine.from_pretrained(model_dir, catalog=catalog, isolation="thread",
-                                                   **options)
-        except BaseException as e:   # re-raised in the caller's thread
-            box["error"] = e
-
-    thread = threading.Thread(target=load, name="xrec-batch-load")
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["engine"]
+    return in_fresh_thread(lambda: Engine.from_pretrained(model_dir, catalog=catalog,
+                                                          isolation="thread", **options))
 
 
 _DONE = object()

@@ -1,0 +1,32 @@
+"""Run a function in a thread that ends with it (no torch here)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+
+def in_fresh_thread(fn: Callable[[], Any]) -> Any:
+    """Run `fn` in a new thread that ends with it; its result, or its exception re-raised.
+
+    libgomp throttles the spin-waiting of every OpenMP team once the process holds
+    more OpenMP threads than cores, and a long-lived thread that ran a parallel torch
+    op keeps its team. Measured on 2 cores: one parallel op on the main thread made
+    xrec's pipeline ~25% slower for the rest of the process. So the bench's own torch
+    work (loading, HF, the naive reference, the profiled step) runs in threads that
+    end, leaving xrec's pipelines the only long-lived teams, as in `xrec serve`.
+    """
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="xrec-fresh-thread")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
