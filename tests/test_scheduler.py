@@ -322,10 +322,14 @@ def test_deadline_passing_while_waiting_fails_with_deadline_exceeded(make_schedu
     assert "expiring" not in executor.launched_ids()
 
 
-def test_request_already_expired_is_never_launched(make_scheduler):
+@pytest.mark.parametrize("deadline, alive_deadline", [(1.0, 9.0), (5.0, 5.5)],
+                         ids=["already-expired", "deadline-is-now"])
+def test_request_at_or_past_its_deadline_is_never_launched(make_scheduler, deadline,
+                                                            alive_deadline):
     clock = FakeClock(now=5.0)
     scheduler, executor = make_scheduler(make_limits(), clock=clock, is_started=False)
-    expired, alive = make_request("expired", deadline=1.0), make_request("alive", deadline=9.0)
+    expired = make_request("expired", deadline=deadline)
+    alive = make_request("alive", deadline=alive_deadline)
     scheduler.submit(expired)
     scheduler.submit(alive)
     scheduler.start()
@@ -392,17 +396,6 @@ def test_a_request_is_answered_once_and_says_whether_it_was():
     assert answered.answer(1) is True and answered.answer(2) is False
     assert answered.fail(Internal("x")) is False and answered.future.result(0) == 1
 
-
-def test_request_whose_deadline_is_now_is_never_launched(make_scheduler):
-    clock = FakeClock(now=5.0)
-    scheduler, executor = make_scheduler(make_limits(), clock=clock, is_started=False)
-    at_deadline, alive = make_request("at", deadline=5.0), make_request("alive", deadline=5.5)
-    scheduler.submit(at_deadline)
-    scheduler.submit(alive)
-    scheduler.start()
-    assert isinstance(at_deadline.future.exception(WAIT_S), DeadlineExceeded)
-    assert alive.future.result(WAIT_S) == "alive"
-    assert executor.launched_ids() == ["alive"]
 
 
 @pytest.mark.parametrize("num_tokens, beam_width, num_bytes", [
