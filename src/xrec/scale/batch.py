@@ -8,7 +8,7 @@ split of one submission, with one pipeline (with several, a batch's share depend
 on which pipelines are free at the time). Numbers depend on the batch a request
 runs in and on the intra-op thread count, so the Ray path (batch_ray.py), which
 gives each actor exactly one chunk per call and the same `num_threads`, writes the
-same records row for row.
+same records row for row (scores to fp32 rounding: see batch_ray.py).
 
 Three threads keep the engine busy: a reader decodes and validates chunk k + 1
 while chunk k runs; a writer turns chunk k - 1's answers into records and writes

@@ -8,7 +8,9 @@
 Each call of an actor gets exactly one chunk (rows [k * chunk_rows, (k + 1) * chunk_rows)
 of the input: strict blocks of chunk_rows in input order, one block per batch) and runs
 it as `xrec batch` in process does (`batch.run_chunk`: decode, validate, one submission,
-one pipeline, the same `num_threads`), so the records are the same, row for row.
+one pipeline, the same `num_threads`), so the records are the same, row for row: ids,
+items, tokens and errors exactly, scores to fp32 rounding (an sgemm's last bits can
+depend on its buffers' alignment, which differs between processes).
 
 CPUs: an actor reserves `actor_cpus` (default: its intra-op threads, at most the
 cluster's CPUs less one); the pool is sized so that at least one CPU stays free for
