@@ -113,6 +113,24 @@ def test_breakdown_quick(home, tmp_path):
         assert sum(parts.values()) == pytest.approx(result["op_ms"], rel=0.05)
 
 
+def test_roofline_quick_both_families(home, tmp_path):
+    record = _run("roofline", tmp_path)
+    for when in ("before", "after"):
+        assert record["peaks"][when]["float32"]["flops_per_s"] > 0
+    assert [w["size"] for w in record["workloads"]] == ["tiny-mha", "qwen3-sid-test"]
+    for workload in record["workloads"]:
+        components = workload["components"]
+        assert sum(c["flop_share"] for c in components.values()) == pytest.approx(1.0)
+        has_cross = workload["size"] == "tiny-mha"
+        for name in ("encoder / prompt", "decoder", "attention", "LM head") + (
+                ("cross K/V",) if has_cross else ()):
+            assert components[name]["gflop"] > 0 and components[name]["ms"] > 0, name
+        if not has_cross:   # decoder-only: no encoder output to project
+            assert components["cross K/V"]["gflop"] == 0.0
+        assert len(workload["runs"]["step_ms"]) == len(workload["runs"]["reference_gflop_per_s"]) == 2
+        assert 0 < workload["fraction_of_reference"] < 1 and 0 < workload["fraction_of_peak"] < 1
+
+
 class _FakeServer(BaseHTTPRequestHandler):
     """Answers like `xrec serve` would, at once (the load generator is under test)."""
 

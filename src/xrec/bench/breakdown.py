@@ -102,11 +102,12 @@ def _timed(fn, args: argparse.Namespace, bar) -> float:
     return statistics.median(times)
 
 
-def profile_step(step, batch) -> dict:
-    """Wall time, op time, host overhead and op time per part of one `step.run(batch)`."""
+def profile_step(step, batch, parts: dict[tuple[str, str], str] = PARTS) -> dict:
+    """Wall time, op time, host overhead and op time per part of one `step.run(batch)`;
+    `parts`: (file, function) of the innermost xrec frame that names an op's part."""
     wall_us, ops = _profiled_ops(step, batch, with_stack=False)
     _, ops_stacked = _profiled_ops(step, batch, with_stack=True)
-    parts_of = _parts(ops_stacked)
+    parts_of = _parts(ops_stacked, parts)
     is_matched = [e.name for e in ops] == [e.name for e in ops_stacked]
     timed = ops if is_matched else ops_stacked
     parts: dict[str, float] = {}
@@ -155,16 +156,16 @@ def _has_op_parent(event) -> bool:
     return False
 
 
-def _parts(ops) -> list[str]:
-    """The part of each op: its innermost xrec frame in PARTS (rounds numbered by call order)."""
+def _parts(ops, parts: dict[tuple[str, str], str]) -> list[str]:
+    """The part of each op: its innermost xrec frame in `parts` (rounds numbered by call order)."""
     calls: dict[str, list[float]] = {name: [] for name in ROUND_BASE}
     found = []
     for event in ops:
         parent, part = event.cpu_parent, "other ops"
         while parent is not None:
             match = _FRAME.search(parent.name)
-            if match and (match.group(1), match.group(2)) in PARTS:
-                part = PARTS[match.group(1), match.group(2)]
+            if match and (match.group(1), match.group(2)) in parts:
+                part = parts[match.group(1), match.group(2)]
                 func = match.group(2)
                 if func in calls:
                     if parent.time_range.start not in calls[func]:

@@ -1,5 +1,5 @@
-"""`xrec bench offline | scaling | breakdown | serve | embedded | batch`: argument parsing and
-dispatch.
+"""`xrec bench offline | scaling | breakdown | roofline | serve | embedded | batch`: argument
+parsing and dispatch.
 
 Every command runs its contenders side by side in one process, prints a Markdown
 table and writes `<out>/<name>-<timestamp>.json`, `.md` and (where a curve says more)
@@ -56,6 +56,17 @@ def _floats(text: str) -> list[float]:
     if not values or min(values) <= 0:
         raise argparse.ArgumentTypeError(f"expected numbers > 0, got {text!r}")
     return values
+
+
+def _workloads(text: str) -> list[tuple[str, int, int, int]]:
+    workloads = []
+    for item in _names(text):
+        size, *numbers = item.split(":")
+        if size not in BENCH_SIZES or len(numbers) != 3:
+            raise argparse.ArgumentTypeError(f"expected SIZE:W:L:B with SIZE among "
+                                             f"{', '.join(BENCH_SIZES)}, got {item!r}")
+        workloads.append((size, *_ints(",".join(numbers))))
+    return workloads
 
 
 def _names(text: str) -> list[str]:
@@ -167,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--actors", type=int, default=None, help="ray: actors (default: derived)")
     batch.add_argument("--actor-cpus", type=float, default=None)
     batch.set_defaults(run=_run("batch"), repeats=1)
+    roofline = sub.add_parser("roofline", help="FLOP/s against this machine's GEMM peak, per "
+                              "component (default: the issue-13 target workloads)")
+    common(roofline)
+    roofline.add_argument("--workloads", type=_workloads, default=None,
+                          help="comma-separated SIZE:W:L:B (default: onerec-0.1b:128:256:4, "
+                               "onerec-0.1b:512:1024:1, qwen3-sid-small:128:256:4)")
+    roofline.set_defaults(run=_run("roofline"), repeats=5)
     embedded = sub.add_parser("embedded", help="the engine in a host that runs its own torch "
                               "work: isolation thread vs process")
     common(embedded)
