@@ -184,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     roofline.add_argument("--workloads", type=_workloads, default=None,
                           help="comma-separated SIZE:W:L:B (default: onerec-0.1b:128:256:4, "
                                "onerec-0.1b:512:1024:1, qwen3-sid-small:128:256:4)")
+    roofline.add_argument("--sweep", action="store_true",
+                          help="onerec-0.1b as W (64..512), L (256..1024) and the batch (1..8) "
+                               "grow one at a time: does the fraction of peak hold?")
     roofline.set_defaults(run=_run("roofline"), repeats=5)
     embedded = sub.add_parser("embedded", help="the engine in a host that runs its own torch "
                               "work: isolation thread vs process")

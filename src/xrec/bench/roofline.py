@@ -53,11 +53,19 @@ COMPONENT_OF = {
 TARGETS = (("onerec-0.1b", 128, 256, 4, 0.80), ("onerec-0.1b", 512, 1024, 1, 0.75),
            ("qwen3-sid-small", 128, 256, 4, 0.70))
 QUICK = (("tiny-mha", 8, 16, 2, None), ("qwen3-sid-test", 8, 16, 2, None))
+# --sweep: onerec-0.1b as W, L and the batch grow one at a time (the fraction of peak must
+# not collapse at W=512 or L=1024)
+SWEEP = tuple(dict.fromkeys(
+    [("onerec-0.1b", w, 256, 1, None) for w in (64, 128, 256, 512)]
+    + [("onerec-0.1b", 128, n, 1, None) for n in (256, 512, 1024)]
+    + [("onerec-0.1b", 128, 256, b, None) for b in (1, 2, 4, 8)]))
 
 
 def workloads_of(args: argparse.Namespace) -> list[tuple[str, int, int, int, float | None]]:
     if args.quick:
         return list(QUICK)
+    if args.sweep:
+        return list(SWEEP)
     if args.workloads:
         return [(size, w, n, b, None) for size, w, n, b in args.workloads]
     return list(TARGETS)
@@ -75,9 +83,16 @@ def run(args: argparse.Namespace) -> int:
     workloads = workloads_of(args)
     bar = progress_bar(args, len(workloads) * (args.warmup + args.repeats + 1), "roofline")
     results = []
-    for size, width, length, num_requests, target in workloads:
-        results.append({"size": size, "target": target,
-                        **measure_workload(size, width, length, num_requests, peaks, threads, args, bar)})
+    for size in dict.fromkeys(w[0] for w in workloads):   # one engine per model, in order
+        engine = load_engine(size, threads, args)
+        try:
+            for _, width, length, num_requests, target in [w for w in workloads if w[0] == size]:
+                results.append({"size": size, "target": target,
+                                **measure_workload(engine, width, length, num_requests, peaks,
+                                                   args, bar)})
+        finally:
+            engine.close()
+        del engine
         gc.collect()   # the engine's weights go before the next model loads
     bar.close()
     after = peaks_in_fresh_process(args.device, threads, peak_repeats)
@@ -92,36 +107,37 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def measure_workload(size: str, width: int, length: int, num_requests: int, peaks: dict,
-                     threads: int, args: argparse.Namespace, bar) -> dict:
-    from xrec import Engine, RecRequest
+def load_engine(size: str, threads: int, args: argparse.Namespace):
+    from xrec import Engine
+
+    return Engine.from_pretrained(model_dir(size, args.seed, args.items), isolation="thread",
+                                  device=args.device, dtype=args.dtype or "auto", num_threads=threads)
+
+
+def measure_workload(engine, width: int, length: int, num_requests: int, peaks: dict,
+                     args: argparse.Namespace, bar) -> dict:
+    from xrec import RecRequest
     from xrec.api_types import validate
     from xrec.search.batch import prepare_batch
 
-    engine = Engine.from_pretrained(model_dir(size, args.seed, args.items), isolation="thread",
-                                    device=args.device, dtype=args.dtype or "auto",
-                                    num_threads=threads)
-    try:
-        config = engine.model.config
-        workload = make_workload(config.vocab_size, num_requests, length, width, args.seed)
-        requests = [RecRequest(token_ids=row, beam_width=width) for row in workload.token_ids.tolist()]
-        batch = prepare_batch([validate(r, engine.limits) for r in requests], config.d_model)
-        dtype = str(engine.model.dtype).removeprefix("torch.")
-        peak = peaks.get(dtype) or peaks["float32"]
-        reference = Gemm(tuple(peak["shape"]), args.device, dtype if peaks.get(dtype) else "float32")
-        timing = interleaved(lambda: engine.step.run(batch), reference, args, bar)
-        profile = in_fresh_thread(lambda: profile_step(engine.step, batch, COMPONENT_OF))
-        bar.update(1)
-        shape = SearchShape(num_requests, length, width, fan_out(engine.step.tables),
-                            prefix_len=config.decoder_start_len)
-        flops = search_flops(config, shape)
-    finally:
-        engine.close()
+    config = engine.model.config
+    workload = make_workload(config.vocab_size, num_requests, length, width, args.seed)
+    requests = [RecRequest(token_ids=row, beam_width=width) for row in workload.token_ids.tolist()]
+    batch = prepare_batch([validate(r, engine.limits) for r in requests], config.d_model)
+    dtype = str(engine.model.dtype).removeprefix("torch.")
+    peak = peaks.get(dtype) or peaks["float32"]
+    reference = Gemm(tuple(peak["shape"]), args.device, dtype if peaks.get(dtype) else "float32")
+    timing = interleaved(lambda: engine.step.run(batch), reference, args, bar)
+    profile = in_fresh_thread(lambda: profile_step(engine.step, batch, COMPONENT_OF))
+    bar.update(1)
+    shape = SearchShape(num_requests, length, width, fan_out(engine.step.tables),
+                        prefix_len=config.decoder_start_len)
+    flops = search_flops(config, shape)
     return {**workload.key, "dtype": dtype, **summarize(flops, timing, profile, peak["flops_per_s"])}
 
 
 def interleaved(step, reference: Gemm, args: argparse.Namespace, bar) -> dict:
-    """Warm-up steps, then `args.repeats` x (one step, one reference product), each in a
+    """Warm-up steps, then `args.repeats` x (one step, then the reference GEMM), each in a
     fresh thread: step seconds and reference FLOP/s, run by run."""
     def timed(fn) -> float:
         def run() -> float:
@@ -136,7 +152,10 @@ def interleaved(step, reference: Gemm, args: argparse.Namespace, bar) -> dict:
     steps, rates = [], []
     for _ in range(args.repeats):
         steps.append(timed(step))
-        rates.append(reference.flops / in_fresh_thread(reference.seconds))
+        # the best of three products: the first in a fresh thread also pays its thread team's
+        # start, and the step's own team may still spin for a moment
+        rates.append(reference.flops / in_fresh_thread(
+            lambda: min(reference.seconds() for _ in range(3))))
         bar.update(1)
     return {"step_s": steps, "reference_flops_per_s": rates}
 
@@ -207,8 +226,12 @@ def _name(w: dict) -> str:
 
 def plot(results: list[dict], path) -> None:
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4.2), squeeze=False)
-    for ax, w in zip(axes[0], results):
+    cols = min(3, len(results))
+    rows = -(-len(results) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4.2 * rows), squeeze=False)
+    for ax in axes.flat[len(results):]:
+        ax.axis("off")
+    for ax, w in zip(axes.flat, results):
         names = [n for n, c in w["components"].items() if c["ms"] or c["gflop"]]
         ys = range(len(names))
         ax.barh([y + 0.2 for y in ys], [w["components"][n]["time_share"] for n in names],
