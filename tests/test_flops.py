@@ -35,9 +35,12 @@ def terms(config, rounds: int = 2) -> dict[str, float]:
     return search_terms(config, SearchShape(BATCH, LENGTH, WIDTH, (3.0,) * rounds))
 
 
-def build(config):
+def build(config, fused: bool):
     torch.manual_seed(0)
-    return model_class(config)(config).eval()
+    model = model_class(config)(config).eval()
+    if fused:   # q/k/v and gate/up as one GEMM each: the same FLOPs
+        model.fuse_linears(below_width=1 << 30)
+    return model
 
 
 def inputs(config) -> ModelInputs:
@@ -56,9 +59,10 @@ def decode_round(model, context) -> None:
     ONEREC.replace(use_moe=True, moe_num_experts=4, moe_topk=2, moe_inter_dim=24,
                    moe_use_shared_experts=True, moe_num_shared_experts=1)],
     ids=["dense", "gqa", "moe"])
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 @torch.inference_mode()
-def test_encoder_decoder_gemms_are_the_formula(config):
-    model, expected = build(config), terms(config)
+def test_encoder_decoder_gemms_are_the_formula(config, fused):
+    model, expected = build(config, fused), terms(config)
     batch = inputs(config)
     hidden = model.embed(batch.token_ids)
     assert counted(lambda: model.encode(hidden, None)) == expected["encoder"]
@@ -77,9 +81,10 @@ def test_encoder_decoder_gemms_are_the_formula(config):
     dataclasses.replace(QWEN, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
                         moe_intermediate_size=24, mlp_only_layers=(0,))],
     ids=["qwen3", "qwen2", "qwen3_moe"])
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 @torch.inference_mode()
-def test_decoder_only_gemms_are_the_formula(config):
-    model, expected = build(config), terms(config)
+def test_decoder_only_gemms_are_the_formula(config, fused):
+    model, expected = build(config, fused), terms(config)
     batch = inputs(config)
     assert counted(lambda: model.prefill(batch)) == expected["prompt"]
     _, context = model.prefill(batch)

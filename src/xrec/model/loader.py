@@ -89,7 +89,9 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     dtype = dtype or getattr(torch, config.torch_dtype)
     tensors = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
     model.load_state_dict(tensors, assign=True)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    model.fuse_linears()
+    return model
 
 
 def save_model(model_dir: str | Path, config: Any, state_dict: dict[str, torch.Tensor],
