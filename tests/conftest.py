@@ -1,9 +1,13 @@
-"""Test order under `make mutate` only: fastest first, so a mutant dies on its cheapest test.
+"""Under `make mutate` only: each mutant runs the tests of its own module, fastest first.
 
-mutmut passes each mutant's tests as an unordered set of node ids and stops at the first
-failure (-x). Modules stay contiguous (their module-scoped fixtures are built once),
-ordered by their fastest test, then tests by their duration in mutmut's stats run.
-A normal run (no MUTANT_UNDER_TEST in the environment) keeps pytest's order.
+mutmut gives each mutant every selected test that called the mutated function, as an
+unordered set, and stops at the first failure (-x). A model function is called by every
+search and engine test too, which made a full run take hours; its own module's tests
+(the HF oracles, the naive reference, the contracts) are the ones meant to catch it.
+So the tests of a mutant outside its module's files (TESTS_OF) are deselected (unless
+that leaves none), and the rest run with modules contiguous (their module-scoped
+fixtures are built once), ordered by their fastest test, then by duration in mutmut's
+stats run. A normal run (no MUTANT_UNDER_TEST in the environment) is left alone.
 """
 
 from __future__ import annotations
@@ -13,16 +17,35 @@ import os
 from pathlib import Path
 
 STATS = Path("mutmut-stats.json")   # mutmut runs the tests inside mutants/
+# mutant name prefix -> the test files that speak for that module
+TESTS_OF = (
+    ("xrec.model.", ("test_contracts_model.py", "test_model.py", "test_xattention.py",
+                     "test_qwen.py")),
+    ("xrec.search.", ("test_contracts_search.py", "test_search.py", "test_workspace.py",
+                      "test_xattention.py")),
+    ("xrec.catalog", ("test_contracts_catalog.py", "test_catalog.py", "test_catalog_import.py")),
+    ("xrec.engine.", ("test_scheduler.py", "test_engine.py")),
+    ("xrec.server.schemas", ("test_contracts_schemas.py",)),
+)
+
+
+def _module(item) -> str:
+    return item.nodeid.split("::", 1)[0]
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    if "MUTANT_UNDER_TEST" not in os.environ or not STATS.is_file():
+    mutant = os.environ.get("MUTANT_UNDER_TEST", "")
+    if not mutant or not STATS.is_file():
         return
+    files = next((files for prefix, files in TESTS_OF if mutant.startswith(prefix)), None)
+    if files is not None:
+        own = [item for item in items if _module(item).rsplit("/", 1)[-1] in files]
+        if own and len(own) < len(items):
+            config.hook.pytest_deselected(items=[i for i in items if i not in own])
+            items[:] = own
     duration = json.loads(STATS.read_text()).get("duration_by_test", {})
     seconds = {item.nodeid: duration.get(item.nodeid, 0.0) for item in items}
     fastest: dict[str, float] = {}
     for item in items:
-        module = item.nodeid.split("::", 1)[0]
-        fastest[module] = min(fastest.get(module, float("inf")), seconds[item.nodeid])
-    items.sort(key=lambda item: (fastest[item.nodeid.split("::", 1)[0]],
-                                 item.nodeid.split("::", 1)[0], seconds[item.nodeid]))
+        fastest[_module(item)] = min(fastest.get(_module(item), float("inf")), seconds[item.nodeid])
+    items.sort(key=lambda item: (fastest[_module(item)], _module(item), seconds[item.nodeid]))

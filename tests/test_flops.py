@@ -23,6 +23,7 @@ from xrec.model.registry import model_class
 LENGTH, WIDTH, BATCH = 12, 5, 2
 ONEREC = MODEL_SIZES["tiny"].replace(use_absolute_position_embedding=True)  # no per-head bias:
 QWEN = dataclasses.replace(MODEL_SIZES["qwen3-sid-test"], torch_dtype="float32")  # flash paths
+FUSED_OR_NOT = pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 
 
 def counted(fn) -> int:
@@ -59,7 +60,7 @@ def decode_round(model, context) -> None:
     ONEREC.replace(use_moe=True, moe_num_experts=4, moe_topk=2, moe_inter_dim=24,
                    moe_use_shared_experts=True, moe_num_shared_experts=1)],
     ids=["dense", "gqa", "moe"])
-@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+@FUSED_OR_NOT
 @torch.inference_mode()
 def test_encoder_decoder_gemms_are_the_formula(config, fused):
     model, expected = build(config, fused), terms(config)
@@ -81,7 +82,7 @@ def test_encoder_decoder_gemms_are_the_formula(config, fused):
     dataclasses.replace(QWEN, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
                         moe_intermediate_size=24, mlp_only_layers=(0,))],
     ids=["qwen3", "qwen2", "qwen3_moe"])
-@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+@FUSED_OR_NOT
 @torch.inference_mode()
 def test_decoder_only_gemms_are_the_formula(config, fused):
     model, expected = build(config, fused), terms(config)
