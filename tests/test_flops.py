@@ -23,7 +23,6 @@ from xrec.model.registry import model_class
 LENGTH, WIDTH, BATCH = 12, 5, 2
 ONEREC = MODEL_SIZES["tiny"].replace(use_absolute_position_embedding=True)  # no per-head bias:
 QWEN = dataclasses.replace(MODEL_SIZES["qwen3-sid-test"], torch_dtype="float32")  # flash paths
-FUSED_OR_NOT = pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 
 
 def counted(fn) -> int:
@@ -36,12 +35,9 @@ def terms(config, rounds: int = 2) -> dict[str, float]:
     return search_terms(config, SearchShape(BATCH, LENGTH, WIDTH, (3.0,) * rounds))
 
 
-def build(config, fused: bool):
+def build(config):
     torch.manual_seed(0)
-    model = model_class(config)(config).eval()
-    if fused:   # q/k/v and gate/up as one GEMM each: the same FLOPs
-        model.fuse_linears(below_width=1 << 30)
-    return model
+    return model_class(config)(config).eval()
 
 
 def inputs(config) -> ModelInputs:
@@ -60,10 +56,9 @@ def decode_round(model, context) -> None:
     ONEREC.replace(use_moe=True, moe_num_experts=4, moe_topk=2, moe_inter_dim=24,
                    moe_use_shared_experts=True, moe_num_shared_experts=1)],
     ids=["dense", "gqa", "moe"])
-@FUSED_OR_NOT
 @torch.inference_mode()
-def test_encoder_decoder_gemms_are_the_formula(config, fused):
-    model, expected = build(config, fused), terms(config)
+def test_encoder_decoder_gemms_are_the_formula(config):
+    model, expected = build(config), terms(config)
     batch = inputs(config)
     hidden = model.embed(batch.token_ids)
     assert counted(lambda: model.encode(hidden, None)) == expected["encoder"]
@@ -82,10 +77,9 @@ def test_encoder_decoder_gemms_are_the_formula(config, fused):
     dataclasses.replace(QWEN, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
                         moe_intermediate_size=24, mlp_only_layers=(0,))],
     ids=["qwen3", "qwen2", "qwen3_moe"])
-@FUSED_OR_NOT
 @torch.inference_mode()
-def test_decoder_only_gemms_are_the_formula(config, fused):
-    model, expected = build(config, fused), terms(config)
+def test_decoder_only_gemms_are_the_formula(config):
+    model, expected = build(config), terms(config)
     batch = inputs(config)
     assert counted(lambda: model.prefill(batch)) == expected["prompt"]
     _, context = model.prefill(batch)

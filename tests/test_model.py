@@ -15,7 +15,6 @@ Tolerance against the float32/float64 oracles: max |error| <= 1e-4 * max |refere
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 
@@ -26,7 +25,6 @@ from safetensors.torch import save_file
 from oracles.naive import NaiveOneRec
 from oracles.weights import random_state_dict, save_checkpoint, to_xllm_names
 from xrec.config import MODEL_SIZES, ModelConfig
-from xrec.model.inputs import ModelInputs
 from xrec.model.kv import BeamKV
 from xrec.model.loader import CheckpointError, load_model, save_model
 from xrec.model.attention import padding_mask
@@ -614,51 +612,3 @@ def test_bad_config_json_is_refused(tmp_path):
     with pytest.raises(ValueError, match="config.json"):
         load_model(tmp_path)
 
-
-@pytest.mark.parametrize("config", [
-    MODEL_SIZES["tiny"], MODEL_SIZES["tiny"].replace(use_moe=True, moe_num_experts=4, moe_topk=2,
-                                                     moe_inter_dim=24),
-    dataclasses.replace(MODEL_SIZES["qwen3-sid-test"], torch_dtype="float32"),
-    dataclasses.replace(MODEL_SIZES["qwen3-sid-test"], torch_dtype="float32", model_type="qwen2")],
-    ids=["onerec", "onerec-moe", "qwen3", "qwen2-bias"])
-@torch.inference_mode()
-def test_fused_linears_compute_what_the_separate_ones_do(config):
-    from xrec.model.random_init import random_state_dict as init_weights
-    from xrec.model.registry import model_class
-
-    state = init_weights(config, seed=70)
-    separate, fused = (model_class(config)(config).eval() for _ in range(2))
-    for model in (separate, fused):
-        model.load_state_dict(state)
-    fused.fuse_linears(below_width=1 << 30)
-    assert fused.state_dict().keys() == state.keys()
-    for name, tensor in fused.state_dict().items():
-        assert torch.equal(tensor, state[name]), name
-    groups = [m.qkv for m in fused.modules() if getattr(m, "qkv", None) is not None]
-    assert groups and all(g.weight.untyped_storage().data_ptr() == g.weight.data_ptr() for g in groups)
-    attn = next(m for m in fused.modules() if getattr(m, "qkv", None) is not None)
-    first = attn.q if hasattr(attn, "q") else attn.q_proj
-    assert first.weight.data_ptr() == attn.qkv.weight.data_ptr()   # a view: one copy of the weights
-    ids = torch.randint(0, config.vocab_size, (2, 9))
-    prefix = [getattr(config, "decoder_start_len", 1)] * 2
-    batch = ModelInputs(ids, [9, 6], [], None, [], None, prefix)
-    outputs = []
-    for model in (separate, fused):
-        last, context = model.prefill(batch)
-        beams = model.new_beam_kv(2, 3, 2)
-        hidden = model.decode_step(torch.randint(0, config.vocab_size, (2, 3), generator=torch.Generator().manual_seed(1)),
-                                   1, context, beams)
-        outputs.append((last, hidden))
-    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
-
-
-def test_wide_models_keep_separate_linears():
-    from xrec.model.family import FUSE_BELOW_WIDTH
-    from xrec.model.registry import model_class
-
-    config = MODEL_SIZES["tiny"].replace(d_model=FUSE_BELOW_WIDTH)
-    with torch.device("meta"):
-        model = model_class(config)(config)
-    model.fuse_linears()
-    assert all(getattr(m, "qkv", None) is None and getattr(m, "gate_up", None) is None
-               for m in model.modules())

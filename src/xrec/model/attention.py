@@ -17,10 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xrec.model.layers import FusesLinears, LinearGroup
 
-
-class Attention(nn.Module, FusesLinears):
+class Attention(nn.Module):
     """q/k/v/o projections with Hugging Face T5 names; block 0 owns the relative bias table."""
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -33,27 +31,13 @@ class Attention(nn.Module, FusesLinears):
         self.o = nn.Linear(num_heads * head_dim, d_model, bias=False)
         if num_buckets is not None:
             self.relative_attention_bias = nn.Embedding(num_buckets, num_heads)
-        self.qkv: LinearGroup | None = None
-
-    def fuse(self) -> None:
-        self.qkv = LinearGroup([self.q, self.k, self.v])
 
     def project_q(self, x: torch.Tensor) -> torch.Tensor:
         return self.q(x).unflatten(-1, (self.num_heads, self.head_dim))        # [..., H, Dh]
 
     def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (self.num_kv_heads, self.head_dim)
-        k, v = (self.k(x), self.v(x)) if self.qkv is None else self.qkv(x, 1)
-        return k.unflatten(-1, shape), v.unflatten(-1, shape)                 # [..., kvH, Dh]
-
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q `[..., H, Dh]`, k and v `[..., kvH, Dh]` of one input."""
-        if self.qkv is None:
-            return (self.project_q(x), *self.project_kv(x))
-        q, k, v = self.qkv(x)
-        shape = (self.num_kv_heads, self.head_dim)
-        return q.unflatten(-1, (self.num_heads, self.head_dim)), k.unflatten(-1, shape), \
-            v.unflatten(-1, shape)
+        return self.k(x).unflatten(-1, shape), self.v(x).unflatten(-1, shape)  # [..., kvH, Dh]
 
 
 def padding_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:

@@ -22,12 +22,6 @@ from torch import nn
 
 from xrec.model.inputs import ModelInputs
 from xrec.model.kv import BeamKV
-from xrec.model.layers import FusesLinears
-
-# Fusing q/k/v and gate/up into one GEMM each, measured on two cores (MKL, fp32, 512 and
-# 1024 rows, interleaved): 1.05-1.85x (q/k/v) and 1.18-1.23x (gate/up) as fast at width
-# 512, 0.94-0.98x and 0.95-0.96x at width 1024; the narrow models fuse, the wide ones not.
-FUSE_BELOW_WIDTH = 1024
 
 
 class RecModel(nn.Module):
@@ -73,15 +67,6 @@ class RecModel(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.head_weight()[0].dtype
-
-    def fuse_linears(self, below_width: int = FUSE_BELOW_WIDTH) -> None:
-        """Run the linear layers that read one input as one GEMM (q/k/v, gate/up) when the
-        model is narrower than `below_width`; at load time, after the weights are in."""
-        if self.config.d_model >= below_width:
-            return
-        for module in self.modules():
-            if isinstance(module, FusesLinears):
-                module.fuse()
 
     def new_beam_kv(self, num_batch: int, num_beams: int, rounds: int, allocate=None) -> BeamKV:
         """The per-beam K/V of a batch (`allocate`: a pipeline's reusable workspace)."""

@@ -1,11 +1,8 @@
-"""Small building blocks: RMSNorm, gated-SiLU feed-forward (T5 and Qwen names), T5 position
-buckets, and linear layers fused into one GEMM."""
+"""Small building blocks: RMSNorm, gated-SiLU feed-forward (T5 and Qwen names), T5 position buckets."""
 
 from __future__ import annotations
 
-import itertools
 import math
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -27,52 +24,13 @@ class RMSNorm(nn.Module):
         return (xf * inverse_rms).to(x.dtype).mul_(self.weight)
 
 
-class LinearGroup:
-    """Linear layers that read the same input, run as one GEMM: their weights (and biases)
-    concatenated once, at load time. Each layer's parameters become views of the
-    concatenation, so the weights are still held once and the state dict is unchanged.
-    `group(x, first, last)` returns the outputs of layers first..last-1 (a contiguous
-    slice of the concatenation: k and v of a q/k/v group, say) as views of one product."""
-
-    def __init__(self, linears: Sequence[nn.Linear]):
-        if len({linear.bias is None for linear in linears}) != 1:
-            raise ValueError("LinearGroup: the layers must all have a bias or all have none")
-        self.sizes = [linear.out_features for linear in linears]
-        self.offsets = [0, *itertools.accumulate(self.sizes)]
-        self.weight = torch.cat([linear.weight for linear in linears])
-        self.bias = None if linears[0].bias is None else torch.cat([linear.bias for linear in linears])
-        for linear, start, stop in zip(linears, self.offsets, self.offsets[1:]):
-            linear.weight = nn.Parameter(self.weight[start:stop], requires_grad=False)
-            if self.bias is not None:
-                linear.bias = nn.Parameter(self.bias[start:stop], requires_grad=False)
-
-    def __call__(self, x: torch.Tensor, first: int = 0, last: int | None = None) -> tuple[torch.Tensor, ...]:
-        last = len(self.sizes) if last is None else last
-        start, stop = self.offsets[first], self.offsets[last]
-        bias = None if self.bias is None else self.bias[start:stop]
-        return F.linear(x, self.weight[start:stop], bias).split(self.sizes[first:last], dim=-1)
-
-
-class FusesLinears:
-    """A module whose linear layers that read one input can run as one GEMM (`fuse()`,
-    called at load time by `RecModel.fuse_linears` where that measured faster)."""
-
-    def fuse(self) -> None:
-        raise NotImplementedError
-
-
-def gated_silu(x: torch.Tensor, gate: nn.Linear, up: nn.Linear, down: nn.Linear,
-               gate_up: LinearGroup | None = None) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)): the feed-forward of both families (`gate_up`: the gate
-    and up layers fused)."""
-    if gate_up is not None:
-        gated, upped = gate_up(x)
-        return down(F.silu(gated).mul_(upped))     # silu's output is the one [.., d_ff] buffer
+def gated_silu(x: torch.Tensor, gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)): the feed-forward of both families."""
     hidden = F.silu(gate(x), inplace=True)         # in place: no extra [.., d_ff] buffers
     return down(hidden.mul_(up(x)))
 
 
-class GatedFFN(nn.Module, FusesLinears):
+class GatedFFN(nn.Module):
     """wo(silu(gate(x)) * up(x)), Hugging Face T5 names: wi_0 = gate, wi_1 = up."""
 
     def __init__(self, d_model: int, d_ff: int):
@@ -80,16 +38,12 @@ class GatedFFN(nn.Module, FusesLinears):
         self.wi_0 = nn.Linear(d_model, d_ff, bias=False)
         self.wi_1 = nn.Linear(d_model, d_ff, bias=False)
         self.wo = nn.Linear(d_ff, d_model, bias=False)
-        self.gate_up: LinearGroup | None = None
-
-    def fuse(self) -> None:
-        self.gate_up = LinearGroup([self.wi_0, self.wi_1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gated_silu(x, self.wi_0, self.wi_1, self.wo, self.gate_up)
+        return gated_silu(x, self.wi_0, self.wi_1, self.wo)
 
 
-class SwiGLU(nn.Module, FusesLinears):
+class SwiGLU(nn.Module):
     """The same feed-forward with Hugging Face Qwen names: gate_proj, up_proj, down_proj."""
 
     def __init__(self, d_model: int, d_ff: int):
@@ -97,13 +51,9 @@ class SwiGLU(nn.Module, FusesLinears):
         self.gate_proj = nn.Linear(d_model, d_ff, bias=False)
         self.up_proj = nn.Linear(d_model, d_ff, bias=False)
         self.down_proj = nn.Linear(d_ff, d_model, bias=False)
-        self.gate_up: LinearGroup | None = None
-
-    def fuse(self) -> None:
-        self.gate_up = LinearGroup([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gated_silu(x, self.gate_proj, self.up_proj, self.down_proj, self.gate_up)
+        return gated_silu(x, self.gate_proj, self.up_proj, self.down_proj)
 
 
 def relative_position_bucket(relative_position: torch.Tensor, *, bidirectional: bool,

@@ -89,9 +89,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     dtype = dtype or getattr(torch, config.torch_dtype)
     tensors = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
     model.load_state_dict(tensors, assign=True)
-    model.eval().requires_grad_(False)
-    model.fuse_linears()
-    return model
+    return model.eval().requires_grad_(False)
 
 
 def save_model(model_dir: str | Path, config: Any, state_dict: dict[str, torch.Tensor],

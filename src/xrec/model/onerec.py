@@ -229,7 +229,8 @@ class OneRecModel(RecModel):
         for block in self.encoder.block:
             sub = block.layer[0]
             x = sub.layer_norm(hidden)
-            q, k, v = (t.transpose(1, 2) for t in sub.SelfAttention.project(x))  # [B, H|kvH, L, Dh]
+            q = sub.SelfAttention.project_q(x).transpose(1, 2)             # [B, H, L, Dh]
+            k, v = (t.transpose(1, 2) for t in sub.SelfAttention.project_kv(x))
             out = attend(q.flip(2) if reverse else q, k, v, mask, scale)
             out = (out.flip(2) if reverse else out).transpose(1, 2).flatten(2)  # [B, L, H*Dh]
             hidden = hidden + sub.SelfAttention.o(out)
@@ -265,7 +266,8 @@ class OneRecModel(RecModel):
         for index, block in enumerate(self.decoder.block):
             sub = block.layer[0]
             x = sub.layer_norm(hidden)
-            q, k, v = (t.transpose(1, 2) for t in sub.SelfAttention.project(x))  # [B, H|kvH, P, Dh]
+            q = sub.SelfAttention.project_q(x).transpose(1, 2)
+            k, v = (t.transpose(1, 2) for t in sub.SelfAttention.project_kv(x))  # [B, kvH, P, Dh]
             ks.append(k)
             vs.append(v)
             hidden = hidden + sub.SelfAttention.o(attend(q, k, v, mask, scale).transpose(1, 2).flatten(2))
@@ -288,7 +290,8 @@ class OneRecModel(RecModel):
         for index, block in enumerate(self.decoder.block):
             sub = block.layer[0]
             x = sub.layer_norm(hidden)
-            q, k_new, v_new = sub.SelfAttention.project(x)                # [B, W, H|kvH, Dh]
+            q = sub.SelfAttention.project_q(x)                            # [B, W, H, Dh]
+            k_new, v_new = sub.SelfAttention.project_kv(x)                # [B, W, kvH, Dh]
             beam_k, beam_v = beams.layer(index)                           # [B, W, R-1, kvH, Dh]
             beam_k[:, :, slot] = k_new
             beam_v[:, :, slot] = v_new

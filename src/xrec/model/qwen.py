@@ -23,13 +23,13 @@ from xrec.model.attention import (attend, attend_beams, merge_states, padding_ma
 from xrec.model.family import RecModel
 from xrec.model.inputs import ModelInputs
 from xrec.model.kv import BeamKV, PrefixKV
-from xrec.model.layers import FusesLinears, LinearGroup, RMSNorm, SwiGLU
+from xrec.model.layers import RMSNorm, SwiGLU
 from xrec.model.moe import SparseMoE
 from xrec.model.rope import apply_rope, rope_tables
 from xrec.qwen_config import QwenConfig
 
 
-class QwenAttention(nn.Module, FusesLinears):
+class QwenAttention(nn.Module):
     """q/k/v/o projections (biases as the model type has them) and Qwen3's per-head q/k norms."""
 
     def __init__(self, config: QwenConfig):
@@ -44,37 +44,23 @@ class QwenAttention(nn.Module, FusesLinears):
         if config.has_qk_norm:
             self.q_norm = RMSNorm(hd, config.rms_norm_eps)
             self.k_norm = RMSNorm(hd, config.rms_norm_eps)
-        self.qkv: LinearGroup | None = None
-
-    def fuse(self) -> None:
-        self.qkv = LinearGroup([self.q_proj, self.k_proj, self.v_proj])
 
     def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """`x [..., D]` -> q `[..., H, Dh]`, normed and rotated (`cos`/`sin` broadcast over heads)."""
-        return self._rotate_q(self.q_proj(x), cos, sin)
+        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
+        return apply_rope(self.q_norm(q) if hasattr(self, "q_norm") else q, cos, sin)
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`x [..., D]` -> k (normed and rotated) and v, `[..., kvH, Dh]` each."""
-        k, v = (self.k_proj(x), self.v_proj(x)) if self.qkv is None else self.qkv(x, 1)
-        return self._rotate_k(k, cos, sin), v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return apply_rope(self.k_norm(k) if hasattr(self, "k_norm") else k, cos, sin), v
 
     def project(self, x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q `[..., H, Dh]`, k and v `[..., kvH, Dh]` of `x [..., D]`."""
-        if self.qkv is None:
-            return (self.project_q(x, cos, sin), *self.project_kv(x, cos, sin))
-        q, k, v = self.qkv(x)
-        return (self._rotate_q(q, cos, sin), self._rotate_k(k, cos, sin),
-                v.unflatten(-1, (self.num_kv_heads, self.head_dim)))
-
-    def _rotate_q(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q = q.unflatten(-1, (self.num_heads, self.head_dim))
-        return apply_rope(self.q_norm(q) if hasattr(self, "q_norm") else q, cos, sin)
-
-    def _rotate_k(self, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        return apply_rope(self.k_norm(k) if hasattr(self, "k_norm") else k, cos, sin)
+        return (self.project_q(x, cos, sin), *self.project_kv(x, cos, sin))
 
 
 class QwenLayer(nn.Module):
@@ -148,15 +134,12 @@ class QwenModel(RecModel):
         layers = self.model.layers
         for index, layer in enumerate(layers):
             attn, x = layer.self_attn, layer.input_layernorm(hidden)
-            is_last = index == len(layers) - 1
-            if is_last:
-                k, v = attn.project_kv(x, cos, sin)                       # [B, L, kvH, Dh]
-            else:
-                q, k, v = attn.project(x, cos, sin)                       # [B, L, H|kvH, Dh]
+            k, v = attn.project_kv(x, cos, sin)                           # [B, L, kvH, Dh]
             keys, values = kv[0, index], kv[1, index]
             keys.copy_(k.transpose(1, 2))
             values.copy_(v.transpose(1, 2))
-            if not is_last:
+            if index < len(layers) - 1:
+                q = attn.project_q(x, cos, sin)                           # [B, L, H, Dh]
                 out = attend(q.transpose(1, 2), keys, values, None, self.scale, is_causal=True)
                 hidden = hidden + attn.o_proj(out.transpose(1, 2).flatten(2))
             else:  # only the last position of each prompt goes on
