@@ -3,6 +3,7 @@ cancellation, shutdown. Instrumented with the executor's fault hook, never timed
 
 from __future__ import annotations
 
+import os
 import platform
 import queue
 import subprocess
@@ -17,7 +18,9 @@ import torch
 from xrec import DeadlineExceeded, Engine, Internal, RecRequest, ResourceExhausted, Unavailable
 from xrec.demo import write_random_model
 
-WAIT_S = 60.0  # bound on every wait: a broken engine fails the test instead of hanging it
+# bound on every wait: a broken engine fails the test instead of hanging it (`make mutate`
+# sets 5 s: a mutant that loses a request fails in seconds, not at mutmut's timeout)
+WAIT_S = float(os.environ.get("XREC_TEST_WAIT_S", 60.0))
 
 
 @pytest.fixture(scope="module")
