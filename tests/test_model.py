@@ -611,4 +611,3 @@ def test_bad_config_json_is_refused(tmp_path):
     (tmp_path / "config.json").unlink()
     with pytest.raises(ValueError, match="config.json"):
         load_model(tmp_path)
-

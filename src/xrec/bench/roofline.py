@@ -125,8 +125,9 @@ def measure_workload(engine, width: int, length: int, num_requests: int, peaks: 
     requests = [RecRequest(token_ids=row, beam_width=width) for row in workload.token_ids.tolist()]
     batch = prepare_batch([validate(r, engine.limits) for r in requests], config.d_model)
     dtype = str(engine.model.dtype).removeprefix("torch.")
-    peak = peaks.get(dtype) or peaks["float32"]
-    reference = Gemm(tuple(peak["shape"]), args.device, dtype if peaks.get(dtype) else "float32")
+    peak_dtype = dtype if peaks.get(dtype) else "float32"   # no native bf16: the fp32 peak
+    peak = peaks[peak_dtype]
+    reference = Gemm(tuple(peak["shape"]), args.device, peak_dtype)
     timing = interleaved(lambda: engine.step.run(batch), reference, args, bar)
     profile = in_fresh_thread(lambda: profile_step(engine.step, batch, COMPONENT_OF))
     bar.update(1)
