@@ -55,6 +55,7 @@ class RecStep:
         # Below a quarter of the vocabulary, LM-head rows of the children beat the full head
         # (round 0: the root's children, one set for every request).
         self.is_narrow = [4 * c < vocab for c in tables.max_children] if tables is not None else []
+        self.root_children = _root_children(tables) if tables is not None else None
 
     @torch.inference_mode()
     def run(self, batch: StepBatch, workspace: Workspace | None = None) -> StepOutput:
@@ -119,7 +120,7 @@ class RecStep:
         num_batch, num_beams, num_cand = children.tokens.shape
         full_logits = None
         if self.is_narrow[level] and level == 0:   # every beam at the root: one set of rows
-            logits = model.shared_candidate_logits(hidden.flatten(0, 1), children.tokens[0, 0])
+            logits = model.shared_candidate_logits(hidden.flatten(0, 1), self.root_children)
             logits = logits.view(num_batch, num_beams, num_cand)
         elif self.is_narrow[level]:   # LM-head rows of each beam's children only
             logits = model.candidate_logits(hidden.flatten(0, 1), children.tokens.flatten(0, 1))
@@ -168,6 +169,16 @@ class _Rows:
             return logits
         temps = self.temperatures if index is None else self.temperatures[index]
         return logits / temps
+
+
+def _root_children(tables: ConstraintTables) -> torch.Tensor | slice:
+    """The root's children (every first token of the catalog), as a slice of the
+    vocabulary when they are one run of consecutive ids (OpenOneRec's `<s_a_*>`):
+    their LM-head rows are then a view, not a 16 MB gather every batch."""
+    first = tables.tokens[0]
+    low, high = int(first[0]), int(first[-1])
+    is_run = high - low + 1 == len(first)   # sorted and unique: the ends say it all
+    return slice(low, high + 1) if is_run else first
 
 
 def _widths(values: list[int], device: torch.device) -> torch.Tensor | None:
