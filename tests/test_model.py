@@ -16,6 +16,7 @@ Tolerance against the float32/float64 oracles: max |error| <= 1e-4 * max |refere
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -432,6 +433,23 @@ def test_logits_logsumexp_in_blocks_equals_the_materialised_one(block_rows, bloc
         _rel_close(got, want, what="with row_scale")
         _rel_close(model.logits_logsumexp(hidden, block_rows=block_rows, block_vocab=block_vocab),
                    torch.logsumexp(model.logits(hidden), dim=-1), what="without")
+
+
+def test_logits_logsumexp_survives_a_later_block_far_above_the_first():
+    """The CPU path shifts every block by the first block's max: a logit 2^127 times
+    larger in a later block overflows that shift and must be taken again with its own."""
+    from xrec.model.onerec import OneRecModel
+
+    torch.manual_seed(3)
+    model = OneRecModel(MODEL_SIZES["tiny"])
+    hidden = torch.randn(3, model.config.d_model)
+    with torch.no_grad():
+        model.shared.weight.normal_(std=0.01)
+        model.shared.weight[-1] = hidden[0] * (2000.0 / hidden[0].square().sum())  # row 0: 2000 x scale
+        logits = model.logits(hidden)
+        assert logits[0, -1] - logits[0, :8].max() > 128 * math.log(2)   # past float32's exp2 range
+        want = torch.logsumexp(logits, dim=-1)
+        _rel_close(model.logits_logsumexp(hidden, block_vocab=8), want, what="block shift overflow")
 
 
 def test_shared_candidate_logits_are_the_full_logits_gathered():
