@@ -33,7 +33,7 @@ bench: $(VENV)/.installed-bench
 MUTANTS ?=
 MUTATE_CHILDREN ?= 2
 mutate: $(VENV)/.installed-test $(VENV)/.installed-mutate
-	nice -n 19 env OMP_NUM_THREADS=1 XREC_TEST_WAIT_S=5 $(VENV)/bin/mutmut run --max-children $(MUTATE_CHILDREN) $(MUTANTS)
+	nice -n 19 env OMP_NUM_THREADS=1 XREC_TEST_WAIT_S=2 $(VENV)/bin/mutmut run --max-children $(MUTATE_CHILDREN) $(MUTANTS)
 	$(PY) tests/mutation_score.py --survivors
 
 clean:

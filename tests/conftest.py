@@ -24,6 +24,10 @@ TESTS_OF = (
     ("xrec.search.", ("test_contracts_search.py", "test_search.py", "test_workspace.py",
                       "test_xattention.py")),
     ("xrec.catalog", ("test_contracts_catalog.py", "test_catalog.py", "test_catalog_import.py")),
+    # the engine's front (validation, responses) is what the Python API tests speak for
+    ("xrec.engine.engine.", ("test_engine.py", "test_api.py")),
+    ("xrec.engine.frontend.", ("test_engine.py", "test_api.py")),
+    ("xrec.engine.responses.", ("test_engine.py", "test_api.py")),
     ("xrec.engine.", ("test_scheduler.py", "test_engine.py")),
     ("xrec.server.schemas", ("test_contracts_schemas.py",)),
 )

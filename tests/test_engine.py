@@ -15,11 +15,12 @@ from concurrent.futures import wait
 import pytest
 import torch
 
-from xrec import DeadlineExceeded, Engine, Internal, RecRequest, ResourceExhausted, Unavailable
+from xrec import (DeadlineExceeded, Engine, Internal, InvalidArgument, RecRequest,
+                  ResourceExhausted, Unavailable)
 from xrec.demo import write_random_model
 
 # bound on every wait: a broken engine fails the test instead of hanging it (`make mutate`
-# sets 5 s: a mutant that loses a request fails in seconds, not at mutmut's timeout)
+# sets 2 s: a mutant that loses a request fails in seconds, not at mutmut's timeout)
 WAIT_S = float(os.environ.get("XREC_TEST_WAIT_S", 60.0))
 
 
@@ -210,6 +211,43 @@ def test_failed_batch_has_failed_its_requests_by_the_time_it_reports(model_dir):
         assert future.done(), "the batch reported while its request was still unanswered"
         assert isinstance(future.exception(0), Internal)
         assert future.exception(0).request_id == "bad"
+
+
+def test_a_served_batch_reports_its_sizes_and_frees_its_pipeline(model_dir):
+    """While a batch runs its pipeline is busy with its workspace estimate; after it, both
+    are back to 0 and the report carries its sizes and times (the metrics read these)."""
+    with Engine.from_pretrained(model_dir, isolation="thread", device="cpu") as engine:
+        reports: queue.SimpleQueue = queue.SimpleQueue()
+        engine.add_report_hook(reports.put)
+        gate = Gate()
+        engine.executor.fault = gate
+        future = engine.submit(RecRequest(token_ids=[1, 2, 3], beam_width=4, request_id="a"))
+        give_up = time.monotonic() + WAIT_S
+        while gate.inside == 0:
+            assert time.monotonic() < give_up, "the batch never started"
+            time.sleep(0.001)
+        assert engine.executor.num_busy == 1
+        assert engine.executor.workspace_bytes_in_use > 0
+        gate.release.set()
+        assert future.result(WAIT_S).results
+        report = reports.get(timeout=WAIT_S)
+        assert report.is_ok and (report.num_requests, report.num_beams) == (1, 4)
+        assert 0.0 <= report.run_s < WAIT_S
+        assert len(report.queue_s) == 1 and 0.0 <= report.queue_s[0] < WAIT_S
+        give_up = time.monotonic() + WAIT_S   # the pipeline counts itself free after the report
+        while (engine.executor.num_busy, engine.executor.workspace_bytes_in_use) != (0, 0):
+            assert time.monotonic() < give_up, (engine.executor.num_busy,
+                                                engine.executor.workspace_bytes_in_use)
+            time.sleep(0.001)
+
+
+def test_recommend_takes_one_request_or_a_sequence(model_dir):
+    with Engine.from_pretrained(model_dir, isolation="thread", device="cpu") as engine:
+        one = RecRequest(token_ids=[1, 2, 3], beam_width=4)
+        [response] = engine.recommend(one)
+        assert _summary([response]) == _summary(engine.recommend([one]))
+        with pytest.raises(InvalidArgument, match="sequence of RecRequest, got str"):
+            engine.submit_many("not requests")
 
 
 def test_cancelled_waiting_request_is_dropped(model_dir):

@@ -644,3 +644,15 @@ def test_bad_config_json_is_refused(tmp_path):
     (tmp_path / "config.json").unlink()
     with pytest.raises(ValueError, match="config.json"):
         load_model(tmp_path)
+
+
+def test_rope_tables_are_in_the_model_dtype():
+    """cos/sin are computed in float32 (Hugging Face's rounding), then cast to the model
+    dtype: a bfloat16 model must not get float32 tables (it would run RoPE in float32)."""
+    from xrec.model.rope import rope_tables
+
+    positions = torch.arange(5)
+    cos, sin = rope_tables(positions, 8, 10000.0, torch.bfloat16)
+    assert (cos.dtype, sin.dtype, cos.shape) == (torch.bfloat16, torch.bfloat16, (5, 8))
+    want_cos, want_sin = rope_tables(positions, 8, 10000.0, torch.float32)
+    assert torch.equal(cos, want_cos.to(torch.bfloat16)) and torch.equal(sin, want_sin.to(torch.bfloat16))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import queue
 import random
+import os
 import re
 import threading
 import time
@@ -22,7 +23,9 @@ from xrec.engine.requests import BatchBuilder
 from xrec.errors import (DeadlineExceeded, Internal, ResourceExhausted, Unavailable,
                          XrecError)
 
-WAIT_S = 5.0  # upper bound on any wait; a correct scheduler finishes long before
+# upper bound on any wait; a correct scheduler finishes long before (`make mutate` sets 2 s:
+# a mutant that loses a request or hangs close() fails in seconds, not at mutmut's timeout)
+WAIT_S = float(os.environ.get("XREC_TEST_WAIT_S", 5.0))
 
 
 def workspace_bytes(batch):
@@ -162,8 +165,11 @@ def make_scheduler():
     yield make
     for scheduler, executor in made:
         executor.gate.set()
-        scheduler.close(grace_s=WAIT_S)
+        closer = threading.Thread(target=scheduler.close, kwargs={"grace_s": WAIT_S}, daemon=True)
+        closer.start()
+        closer.join(2 * WAIT_S)
         executor.shutdown()
+        assert not closer.is_alive(), "close() did not return"
 
 
 def assert_within_budgets(batch, limits):
@@ -175,7 +181,8 @@ def assert_within_budgets(batch, limits):
 
 @pytest.mark.parametrize("name, value", [
     ("max_seqs_per_batch", 0), ("max_tokens_per_batch", True), ("max_concurrency", -1),
-    ("request_queue_size", 1.5), ("max_overtakes", -1), ("batch_wait_ms", float("nan"))])
+    ("request_queue_size", 1.5), ("max_overtakes", -1), ("batch_wait_ms", float("nan")),
+    ("batch_wait_ms", True)])
 def test_limits_are_validated(name, value):
     with pytest.raises(ValueError, match=f"{name}: got {re.escape(repr(value))}"):
         make_limits(**{name: value})
@@ -516,7 +523,7 @@ def test_batch_wait_holds_a_partial_batch_until_it_fills_or_times_out(make_sched
     for request in first:
         scheduler.submit(request)
     assert executor.launched_ids() == []
-    clock.now = 1.5  # past the oldest request's wait: the partial batch goes
+    clock.now = 1.0  # exactly the oldest request's wait: the partial batch goes
     for request in first:
         assert request.future.result(WAIT_S) == request.request_id
     full = [make_request(name) for name in "cde"]
