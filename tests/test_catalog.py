@@ -276,6 +276,14 @@ def test_convert_caps_and_unknown():
         catalog.convert(np.array(a))
 
 
+def test_convert_out_of_range_tokens_never_alias_a_real_item():
+    """A triple with a token outside [0, vocab) is unknown, even where its mixed-radix key
+    equals a real triple's: at V = 4, (1, -1, 2) "means" (0, 3, 2) and (0, 4, 2) (1, 0, 2)."""
+    catalog = ItemCatalog.from_arrays([100, 101], [(0, 3, 2), (1, 0, 2)], 4)
+    rows = catalog.convert(np.array([[1, -1, 2], [0, 4, 2], [0, 3, 2], [1, 0, 2]]))
+    assert [r.tolist() for r in rows] == [[], [], [0], [1]]
+
+
 def test_convert_with_seed():
     catalog = ItemCatalog.from_arrays(np.arange(20), [(0, 1, 2)] * 20, 4)
     first = catalog.convert([(0, 1, 2)], each_conversion_threshold=5, seed=7)[0]
