@@ -54,6 +54,16 @@ def eventually(predicate) -> None:
         time.sleep(0.001)
 
 
+def close_within(scheduler, grace_s: float | None = None) -> None:
+    """scheduler.close(grace_s), bounded: a close() that never returns fails the test
+    after WAIT_S more than its grace instead of hanging it."""
+    kwargs = {} if grace_s is None else {"grace_s": grace_s}
+    closer = threading.Thread(target=scheduler.close, kwargs=kwargs, daemon=True)
+    closer.start()
+    closer.join((grace_s or 0.0) + WAIT_S)
+    assert not closer.is_alive(), "close() did not return"
+
+
 class FakeClock:
     def __init__(self, now: float = 0.0):
         self.now = now
@@ -165,11 +175,10 @@ def make_scheduler():
     yield make
     for scheduler, executor in made:
         executor.gate.set()
-        closer = threading.Thread(target=scheduler.close, kwargs={"grace_s": WAIT_S}, daemon=True)
-        closer.start()
-        closer.join(2 * WAIT_S)
-        executor.shutdown()
-        assert not closer.is_alive(), "close() did not return"
+        try:
+            close_within(scheduler, WAIT_S)
+        finally:
+            executor.shutdown()
 
 
 def assert_within_budgets(batch, limits):
@@ -581,7 +590,7 @@ def test_close_answers_what_is_left_after_the_grace_period_unavailable(make_sche
     executor.wait_until(lambda: executor.num_in_flight == 1)
     for request in left:
         scheduler.submit(request)
-    scheduler.close(grace_s=0.05)
+    close_within(scheduler, grace_s=0.05)
     for request in left:
         error = request.future.exception(0)
         assert isinstance(error, Unavailable) and "shutting down" in str(error)
@@ -590,7 +599,7 @@ def test_close_answers_what_is_left_after_the_grace_period_unavailable(make_sche
     with pytest.raises(Unavailable):
         scheduler.submit(late)
     assert isinstance(late.future.exception(0), Unavailable)
-    scheduler.close()  # idempotent
+    close_within(scheduler)  # idempotent
     executor.gate.set()
     assert running.future.result(WAIT_S) == "running"
     assert executor.launched_ids() == ["running"]
@@ -600,7 +609,7 @@ def test_close_before_start_answers_queued_requests(make_scheduler):
     scheduler, _ = make_scheduler(make_limits(), is_started=False)
     request = make_request("r")
     scheduler.submit(request)
-    scheduler.close()
+    close_within(scheduler)
     assert isinstance(request.future.exception(0), Unavailable)
     assert str(request.future.exception(0)) == "server is shutting down"
     with pytest.raises(RuntimeError):
@@ -658,10 +667,10 @@ def test_every_request_is_answered_exactly_once(specs, max_concurrency, max_seqs
     scheduler.start()
     barrier.wait()
     if is_closed_early:
-        scheduler.close(grace_s=grace_s)
+        close_within(scheduler, grace_s)
     for thread in submitters:
         thread.join(WAIT_S)
-    scheduler.close(grace_s=grace_s)
+    close_within(scheduler, grace_s)
     executor.shutdown()  # runs what was launched to the end
 
     launched = executor.launched_ids()
