@@ -24,6 +24,14 @@ from xrec.demo import write_random_model
 WAIT_S = float(os.environ.get("XREC_TEST_WAIT_S", 60.0))
 
 
+@pytest.fixture(autouse=True)
+def close_within_wait(monkeypatch):
+    """`with Engine(...)` closes with a grace of WAIT_S, not the default 30 s: an engine that
+    lost a request (a mutant under `make mutate`) fails the test in WAIT_S, and a correct
+    one has nothing left to wait for either way."""
+    monkeypatch.setattr(Engine, "__exit__", lambda self, *exc: self.close(grace_s=WAIT_S))
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return write_random_model(tmp_path_factory.mktemp("tiny"), "tiny", seed=3, num_items=300)
@@ -37,10 +45,15 @@ def _requests(num: int, width: int = 8) -> list[RecRequest]:
 def in_thread(fn):
     """fn() in a new thread (its own OpenMP state); its result."""
     out = []
-    thread = threading.Thread(target=lambda: out.append(fn()))
+    thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
     thread.start()
     thread.join(WAIT_S)
     return out[0]
+
+
+def _answers(engine, requests):
+    """engine.recommend(requests), each answer awaited at most WAIT_S."""
+    return [future.result(WAIT_S) for future in engine.submit_many(requests)]
 
 
 def _summary(responses):
@@ -75,7 +88,7 @@ def test_two_pipelines_run_two_batches_at_once_with_equal_results(model_dir):
     requests = _requests(6)
     with Engine.from_pretrained(model_dir, isolation="thread",
                                 device="cpu", max_concurrency=1) as engine:
-        serial = _summary(engine.recommend(requests))
+        serial = _summary(_answers(engine, requests))
     with Engine.from_pretrained(model_dir, isolation="thread", device="cpu", max_concurrency=2,
                                 max_seqs_per_batch=1) as engine:
         gate = Gate()
@@ -98,7 +111,7 @@ def test_pipeline_threads_leave_other_threads_thread_counts_alone(model_dir):
                                 device="cpu", max_concurrency=2, num_threads=2) \
             as engine:
         engine.executor.fault = lambda batch: seen.append(torch.get_num_threads())
-        engine.recommend(_requests(2))
+        _answers(engine, _requests(2))
         elsewhere = in_thread(torch.get_num_threads)
         fresh_op = in_thread(lambda: (torch.ones(4).add_(1), torch.get_num_threads())[1])
     assert seen and set(seen) == {1}
@@ -153,7 +166,7 @@ def test_failure_in_one_batch_fails_only_that_batch(model_dir):
         with pytest.raises(Internal, match="injected"):
             bad.result(WAIT_S)
         assert good.result(WAIT_S).results
-        assert engine.recommend(_requests(2))[1].results  # the pipeline keeps serving
+        assert _answers(engine, _requests(2))[1].results  # the pipeline keeps serving
 
 
 def test_deadline_passes_while_waiting(model_dir):
@@ -244,8 +257,8 @@ def test_a_served_batch_reports_its_sizes_and_frees_its_pipeline(model_dir):
 def test_recommend_takes_one_request_or_a_sequence(model_dir):
     with Engine.from_pretrained(model_dir, isolation="thread", device="cpu") as engine:
         one = RecRequest(token_ids=[1, 2, 3], beam_width=4)
-        [response] = engine.recommend(one)
-        assert _summary([response]) == _summary(engine.recommend([one]))
+        [response] = in_thread(lambda: engine.recommend(one))   # bounded by WAIT_S
+        assert _summary([response]) == _summary(in_thread(lambda: engine.recommend([one])))
         with pytest.raises(InvalidArgument, match="sequence of RecRequest, got str"):
             engine.submit_many("not requests")
 
@@ -260,7 +273,7 @@ def test_cancelled_waiting_request_is_dropped(model_dir):
         assert waiting.cancel()
         gate.release.set()
         assert blocker.result(WAIT_S).results
-        assert engine.recommend(_requests(1))[0].results
+        assert _answers(engine, _requests(1))[0].results
         assert engine.scheduler.num_waiting == 0
 
 
@@ -269,7 +282,7 @@ def test_too_big_fails_at_once_while_others_are_served(model_dir):
                                 device="cpu", max_tokens_per_batch=16) as engine:
         with pytest.raises(ResourceExhausted, match="max_tokens_per_batch"):
             engine.submit(RecRequest(token_ids=list(range(20)), beam_width=4))
-        assert engine.recommend(_requests(3))[2].results
+        assert _answers(engine, _requests(3))[2].results
 
 
 def test_close_drains_queued_requests_then_refuses(model_dir):
