@@ -222,3 +222,16 @@ def test_workspace_buffers_keep_their_dtype_and_are_reused_at_the_same_size():
     assert again.data_ptr() == ids.data_ptr() and workspace.num_bytes == 6 * 8
     floats = workspace.take("ids", (6,), torch.float16)   # another dtype: another buffer
     assert floats.dtype == torch.float16 and workspace.num_bytes == 6 * 8 + 6 * 2
+
+
+def test_root_children_are_a_slice_only_for_a_run_of_consecutive_ids():
+    from xrec.catalog import ItemCatalog
+    from xrec.search.step import _root_children
+
+    def tables(triples):
+        return ItemCatalog.from_arrays(range(len(triples)), triples, vocab_size=16).constraint_tables()
+
+    run = tables([[5, 1, 1], [6, 2, 2], [7, 1, 3], [6, 3, 3]])
+    assert _root_children(run) == slice(5, 8)
+    gap = tables([[5, 1, 1], [7, 2, 2]])
+    assert torch.equal(_root_children(gap), torch.tensor([5, 7]))

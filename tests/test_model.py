@@ -466,19 +466,6 @@ def test_shared_candidate_logits_are_the_full_logits_gathered():
         _rel_close(model.shared_candidate_logits(hidden, slice(7, 12)), model.logits(hidden)[:, 7:12])
 
 
-def test_root_children_are_a_slice_only_for_a_run_of_consecutive_ids():
-    from xrec.catalog import ItemCatalog
-    from xrec.search.step import _root_children
-
-    def tables(triples):
-        return ItemCatalog.from_arrays(range(len(triples)), triples, vocab_size=16).constraint_tables()
-
-    run = tables([[5, 1, 1], [6, 2, 2], [7, 1, 3], [6, 3, 3]])
-    assert _root_children(run) == slice(5, 8)
-    gap = tables([[5, 1, 1], [7, 2, 2]])
-    assert torch.equal(_root_children(gap), torch.tensor([5, 7]))
-
-
 @pytest.mark.parametrize("block_bytes", [1, 5000, 2 << 20])
 def test_candidate_logits_in_blocks_are_the_full_logits_gathered(block_bytes):
     from xrec.model.onerec import OneRecModel

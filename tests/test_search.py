@@ -125,6 +125,15 @@ def wide_triples(seed: int) -> np.ndarray:
     return np.array(rows)
 
 
+def run_triples(seed: int) -> np.ndarray:
+    """A catalog whose first tokens are one run of consecutive ids, 20..24 (narrow: the
+    round-0 head rows are a slice of the head, as for OpenOneRec's `<s_a_*>`)."""
+    rng = np.random.default_rng(seed)
+    rows = {(a, int(b), int(c)) for a in range(20, 25) for b in rng.choice(VOCAB, 6, replace=False)
+            for c in rng.choice(VOCAB, 3, replace=False)}
+    return np.array(sorted(rows))
+
+
 def ids(rng: np.random.Generator, length: int) -> list[int]:
     return rng.integers(0, VOCAB, size=length).tolist()
 
@@ -233,6 +242,7 @@ def naive_engines(naive_setup):
             naive, directory = naive_setup[variant]
             catalog = {"random": lambda: make_catalog(clustered_triples(31)),
                        "wide": lambda: make_catalog(wide_triples(32)),
+                       "run": lambda: make_catalog(run_triples(33)),
                        "none": lambda: None}[kind]()
             engine = Engine.from_pretrained(directory, isolation="thread",
                                             catalog=catalog, device="cpu", dtype="float32")
@@ -322,6 +332,8 @@ def test_matches_naive_dense(naive_engines, feature):
     ("dense", "wide", "temperature"),
     ("dense", "none", "allowed"),
     ("dense", "none", "temperature"),
+    ("dense", "run", "allowed"),
+    ("dense", "run", "full"),
 ])
 def test_matches_naive_variants(naive_engines, variant, kind, feature):
     naive, engine, triples = naive_engines(variant, kind)
@@ -329,6 +341,8 @@ def test_matches_naive_variants(naive_engines, variant, kind, feature):
         assert 4 * engine.step.tables.max_children[1] >= VOCAB   # really the full-head path
     elif kind == "random":
         assert 4 * engine.step.tables.max_children[1] < VOCAB    # really the narrow path
+    elif kind == "run":
+        assert engine.step.root_children == slice(20, 25)       # really the head slice
     check_against_naive(naive, engine, triples, _feature_requests(feature, 50 + len(variant)))
 
 
