@@ -605,6 +605,19 @@ def test_close_answers_what_is_left_after_the_grace_period_unavailable(make_sche
     assert executor.launched_ids() == ["running"]
 
 
+def test_close_with_nothing_left_does_not_wait_out_its_grace(make_scheduler):
+    """close() returns as soon as nothing is queued or running, not after grace_s."""
+    scheduler, executor = make_scheduler(make_limits())
+    request = make_request("done")
+    scheduler.submit(request)
+    assert request.future.result(WAIT_S) == "done"
+    eventually(lambda: scheduler.num_running_batches == 0)
+    closer = threading.Thread(target=scheduler.close, kwargs={"grace_s": 100 * WAIT_S}, daemon=True)
+    closer.start()
+    closer.join(WAIT_S)
+    assert not closer.is_alive(), "close() waited for a batch that had already finished"
+
+
 def test_close_before_start_answers_queued_requests(make_scheduler):
     scheduler, _ = make_scheduler(make_limits(), is_started=False)
     request = make_request("r")
