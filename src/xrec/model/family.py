@@ -128,14 +128,10 @@ class RecModel(nn.Module):
                 if index == 0 or not is_host:
                     shift = logits.amax(dim=0)                                 # [rows]
                 part = parts[index, start:stop]
-                torch.sum(logits.sub_(shift).exp2_(), dim=0, out=part)
+                _log2_sum_exp2(logits, shift, part)
                 if is_host and bool(part.isinf().any()):  # rare: this block again, own max
                     logits = _head_block(weight[first:last], rows, out, scales)
-                    block_shift = logits.amax(dim=0)
-                    torch.sum(logits.sub_(block_shift).exp2_(), dim=0, out=part)
-                    part.log2_().add_(block_shift)
-                else:
-                    part.log2_().add_(shift)
+                    _log2_sum_exp2(logits, logits.amax(dim=0), part)
         return torch.logsumexp(parts.mul_(_LN_2), dim=0)
 
     def shared_candidate_logits(self, hidden: torch.Tensor,
@@ -173,3 +169,9 @@ def _head_block(weight: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
     """`weight [v, D] @ rows [D, n]` into `out`, float32, times `scales [n]` if given."""
     logits = torch.mm(weight, rows, out=out).float()
     return logits if scales is None else logits.mul_(scales)
+
+
+def _log2_sum_exp2(logits: torch.Tensor, shift: torch.Tensor, out: torch.Tensor) -> None:
+    """`out [n] = log2(sum_v 2^(logits [v, n] - shift)) + shift`, overwriting `logits`."""
+    torch.sum(logits.sub_(shift).exp2_(), dim=0, out=out)
+    out.log2_().add_(shift)
