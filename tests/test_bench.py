@@ -179,6 +179,24 @@ def test_serve_quick_against_xrec_serve(home, tmp_path):
         assert load["errors"] == {} and load["ok"] == load["sent"]
 
 
+def test_embedded_quick_writes_its_table(home, tmp_path):
+    """Each row in a fresh process, both isolation modes, and the transport measured in
+    one process holding both engines."""
+    assert main(["embedded", "--quick", "--out", str(tmp_path), "--no-progress",
+                 "--conditions", "alone"]) == 0
+    files = {p.suffix: p for p in tmp_path.iterdir()}
+    assert set(files) == {".json", ".md"}, files
+    record = json.loads(files[".json"].read_text())
+    assert [(r["condition"], r["isolation"]) for r in record["rows"]] == \
+        [("alone", "thread"), ("alone", "process")]
+    for row in record["rows"]:
+        assert len(row["batch_ms_rounds"]) == 1 and row["batch_ms"] > 0
+    assert record["rows"][0]["throughput_vs_alone"] == 1.0
+    transport = record["transport"]
+    assert transport["thread_p50_ms"] > 0 and transport["process_p50_ms"] > 0
+    assert files[".md"].read_text().startswith("## xrec bench embedded")
+
+
 # ---- pieces ----------------------------------------------------------------------------------
 
 def test_trie_and_allowed_tokens():

@@ -198,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="host conditions among alone, main-op, host-loop")
     embedded.add_argument("--isolations", type=_names, default=["thread", "process"],
                           help="isolation modes among thread, process")
+    embedded.add_argument("--rounds", type=int, default=None,
+                          help="times every row runs, in turn (a fresh process each); each "
+                               "row reports the median over rounds (default 3, --quick 1)")
     embedded.set_defaults(run=_run("embedded"), repeats=7)
     return parser
 
@@ -219,6 +222,7 @@ def apply_quick(args: argparse.Namespace) -> None:
         args.large, args.num_requests, args.repeats = [16, 64], 4, 1
     elif args.command == "embedded":
         args.beam_width, args.length, args.num_requests = 8, 16, 2
+        args.rounds = args.rounds or 1
     elif args.command == "batch":
         args.rows, args.engine_rows, args.beam_width, args.chunk_rows = 200, 200, 4, 64
 

@@ -8,11 +8,14 @@ Host conditions, each in a fresh process per isolation mode (`thread`, `process`
     host-loop  a host thread multiplies 256x256 matrices without pause while the engine
                serves; the two share the cores, so both sides' shares are reported
 
-Reported per row: the median batch time of `--repeats` runs of the same batch, its
-throughput as a fraction of xrec alone (in-thread, the fastest case with an idle
-host), and for `host-loop` the fraction of its solo speed the host loop kept. The
-transport overhead is the p50 latency of one W=128 request with a 256 x d_model
-embedding, process minus thread, measured in the `alone` processes.
+The rows run `--rounds` times in turn (a fresh process each time), so that a slow phase
+of a shared machine falls on every row alike. Reported per row: the median over rounds of
+the median batch time of `--repeats` runs of the same batch, its throughput as a fraction
+of xrec alone (in-thread, the fastest case with an idle host), and for `host-loop` the
+fraction of its solo speed the host loop kept. The transport overhead is measured in one
+more fresh process that holds both kinds of engine: one W=128 request with a
+256 x d_model embedding, sent to each in turn, the median of the paired differences
+(process minus thread) and each side's p50.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import time
 from typing import Any
 
 from xrec.bench.cli import model_dir_of
-from xrec.bench.common import environment, markdown_table, output_paths, write_outputs
+from xrec.bench.common import (environment, environment_markdown, markdown_table,
+                               output_paths, write_outputs)
 
 CONDITIONS = ("alone", "main-op", "host-loop")
 ISOLATIONS = ("thread", "process")
@@ -38,29 +42,44 @@ LATENCY_RUNS = 21
 
 def run(args: argparse.Namespace) -> int:
     model_dir = model_dir_of(args)
-    rows = []
-    for condition in args.conditions:
-        for isolation in args.isolations:
-            setting = {"model_dir": str(model_dir), "condition": condition, "isolation": isolation,
-                       "beam_width": args.beam_width, "length": args.length,
-                       "num_requests": args.num_requests, "repeats": args.repeats,
-                       "warmup": args.warmup, "threads": args.threads, "seed": args.seed}
-            print(f"xrec bench embedded: {condition}, isolation={isolation}", file=sys.stderr)
-            rows.append({**setting, **_measure_in_fresh_process(setting)})
+    args.rounds = args.rounds or 3
+    base = {"model_dir": str(model_dir), "beam_width": args.beam_width, "length": args.length,
+            "num_requests": args.num_requests, "repeats": args.repeats, "warmup": args.warmup,
+            "threads": args.threads, "seed": args.seed}
+    pairs = [(c, i) for c in args.conditions for i in args.isolations]
+    rounds: dict[tuple[str, str], list[dict]] = {pair: [] for pair in pairs}
+    for index in range(args.rounds):
+        for condition, isolation in pairs:
+            print(f"xrec bench embedded: round {index + 1}/{args.rounds}, {condition}, "
+                  f"isolation={isolation}", file=sys.stderr)
+            rounds[(condition, isolation)].append(_measure_in_fresh_process(
+                {**base, "condition": condition, "isolation": isolation}))
+    rows = [{**base, "condition": c, "isolation": i, **_median_of_rounds(rounds[(c, i)])}
+            for c, i in pairs]
     reference = next((r for r in rows if r["condition"] == "alone" and r["isolation"] == "thread"),
                      rows[0])
     for row in rows:
         row["throughput_vs_alone"] = reference["batch_ms"] / row["batch_ms"]
-    latency = {r["isolation"]: r["latency_p50_ms"] for r in rows if r.get("latency_p50_ms")}
+    transport = None
+    if set(ISOLATIONS) <= set(args.isolations):
+        print("xrec bench embedded: transport overhead", file=sys.stderr)
+        transport = _measure_in_fresh_process({**base, "condition": "transport"})
     record = {"benchmark": "embedded", "environment": environment(args.device),
               "settings": {"size": args.size, "items": args.items, "beam_width": args.beam_width,
                            "length": args.length, "num_requests": args.num_requests,
-                           "repeats": args.repeats, "threads": args.threads},
-              "rows": rows,
-              "transport_overhead_p50_ms": latency["process"] - latency["thread"]
-              if {"process", "thread"} <= latency.keys() else None}
+                           "repeats": args.repeats, "rounds": args.rounds,
+                           "threads": args.threads},
+              "rows": rows, "transport": transport}
     write_outputs(output_paths(args.out, "embedded"), record, markdown)
     return 0
+
+
+def _median_of_rounds(results: list[dict]) -> dict:
+    out = {"batch_ms": statistics.median(r["batch_ms"] for r in results),
+           "batch_ms_rounds": [r["batch_ms"] for r in results]}
+    if results[0].get("loop_kept") is not None:
+        out["loop_kept"] = statistics.median(r["loop_kept"] for r in results)
+    return out
 
 
 def _measure_in_fresh_process(setting: dict) -> dict:
@@ -72,16 +91,27 @@ def _measure_in_fresh_process(setting: dict) -> dict:
 
 
 def markdown(record: dict) -> str:
-    header = ["host", "isolation", "batch ms (median)", "throughput vs xrec alone",
+    s = record["settings"]
+    header = ["host", "isolation", "batch ms (median of rounds)", "throughput vs xrec alone",
               "host loop kept"]
-    rows = [[r["condition"], r["isolation"], f"{r['batch_ms']:.1f}",
+    rows = [[r["condition"], r["isolation"],
+             f"{r['batch_ms']:.1f} ({', '.join(f'{t:.0f}' for t in r['batch_ms_rounds'])})",
              f"{r['throughput_vs_alone']:.2f}",
              "" if r.get("loop_kept") is None else f"{r['loop_kept']:.2f}"]
             for r in record["rows"]]
-    overhead = record["transport_overhead_p50_ms"]
-    tail = "" if overhead is None else \
-        f"\n\nTransport overhead, p50 of one W=128 request with a 256-row embedding: {overhead:.2f} ms"
-    return markdown_table(header, rows) + tail
+    title = (f"## xrec bench embedded ({s['size']}, {s['num_requests']} requests, "
+             f"W={s['beam_width']}, L={s['length']}; {s['rounds']} rounds of {s['repeats']} "
+             "batches)\n\nTarget: with torch work on the host's main thread (`main-op`), "
+             "≥ 0.95 of xrec alone.\n\n")
+    transport = record["transport"]
+    tail = "" if transport is None else (
+        f"\n\nTransport overhead, one W={record['settings']['beam_width']} request with a 256-row "
+        f"embedding, sent in turn to an in-thread and a process-isolated engine: "
+        f"{transport['overhead_ms']:.2f} ms (median of paired differences; p50 "
+        f"{transport['thread_p50_ms']:.1f} ms in-thread, {transport['process_p50_ms']:.1f} ms "
+        "in a child)")
+    return title + markdown_table(header, rows) + tail + "\n\n" + \
+        environment_markdown(record["environment"])
 
 
 # ---- the measuring process ----------------------------------------------------------------
@@ -92,6 +122,8 @@ def measure(setting: dict) -> dict:
     from xrec import Engine, RecRequest
     from xrec.bench.models import make_workload
 
+    if setting["condition"] == "transport":
+        return _transport(setting)
     if setting["condition"] == "main-op":
         torch.randn(512, 512) @ torch.randn(512, 512)   # the host's own torch work, main thread
     loop = _HostLoop() if setting["condition"] == "host-loop" else None
@@ -117,26 +149,39 @@ def measure(setting: dict) -> dict:
                                   "batch_ms_all": [1e3 * t for t in times]}
         if loop:
             result["loop_kept"] = loop.stop() / solo_rate
-        if setting["condition"] == "alone" and limits.accepts_embeddings:
-            result["latency_p50_ms"] = _latency_p50(engine, limits.d_model, setting["seed"])
     finally:
         engine.close()
     return result
 
 
-def _latency_p50(engine: Any, d_model: int, seed: int) -> float:
+def _transport(setting: dict) -> dict:
+    """One request with an embedding, to an in-thread and a process-isolated engine in turn
+    (both in this process, loaded on threads that end): the cost of the hop to the child."""
     import numpy as np
 
-    from xrec import RecRequest
-    embedding = np.random.default_rng(seed).standard_normal((256, d_model), dtype=np.float32)
-    request = RecRequest(sparse_embedding=embedding, beam_width=128)
-    engine.recommend(request)
-    times = []
-    for _ in range(LATENCY_RUNS):
-        started = time.perf_counter()
-        engine.recommend(request)
-        times.append(time.perf_counter() - started)
-    return 1e3 * statistics.median(times)
+    from xrec import Engine, RecRequest
+    from xrec.fresh_thread import in_fresh_thread
+
+    options = {"num_threads": setting["threads"]} if setting["threads"] else {}
+    with in_fresh_thread(lambda: Engine.from_pretrained(setting["model_dir"], isolation="thread",
+                                                        **options)) as local, \
+            Engine.from_pretrained(setting["model_dir"], isolation="process", **options) as child:
+        if not local.limits.accepts_embeddings:
+            return None
+        embedding = np.random.default_rng(setting["seed"]).standard_normal(
+            (256, local.limits.d_model), dtype=np.float32)
+        request = RecRequest(sparse_embedding=embedding, beam_width=setting["beam_width"])
+        times: dict[str, list[float]] = {"thread": [], "process": []}
+        for index in range(LATENCY_RUNS + 1):
+            for name, engine in (("thread", local), ("process", child)):
+                started = time.perf_counter()
+                engine.recommend(request)
+                if index:   # the first of each is a warm-up
+                    times[name].append(1e3 * (time.perf_counter() - started))
+    return {"overhead_ms": statistics.median(p - t for t, p in zip(times["thread"],
+                                                                    times["process"])),
+            "thread_p50_ms": statistics.median(times["thread"]),
+            "process_p50_ms": statistics.median(times["process"])}
 
 
 class _HostLoop:
