@@ -616,6 +616,7 @@ def test_close_with_nothing_left_does_not_wait_out_its_grace(make_scheduler):
     closer.start()
     closer.join(WAIT_S)
     assert not closer.is_alive(), "close() waited for a batch that had already finished"
+    assert not scheduler._thread.is_alive(), "the loop thread outlived close()"
 
 
 def test_close_before_start_answers_queued_requests(make_scheduler):
