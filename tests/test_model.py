@@ -521,6 +521,24 @@ def test_tied_aliases_are_accepted(tmp_path):
         _rel_close(a, b, 1e-6)
 
 
+def test_an_embedding_alias_alone_is_shared(tmp_path):
+    """A checkpoint without shared.weight takes it from its embed_tokens copy (whichever one
+    it holds); one that has shared.weight keeps it, whatever the copies hold."""
+    cfg = NAIVE_CONFIGS["dense_gqa"]
+    sd = random_state_dict(cfg, seed=53)
+    want = _outputs(load_model(save_checkpoint(tmp_path / "plain", cfg, sd)))
+    alias = {n: t for n, t in sd.items() if n != "shared.weight"}
+    alias["decoder.embed_tokens.weight"] = sd["shared.weight"].clone()
+    model = load_model(save_checkpoint(tmp_path / "alias", cfg, alias))
+    assert torch.equal(model.shared.weight, sd["shared.weight"])
+    for a, b in zip(_outputs(model), want):
+        _rel_close(a, b, 1e-6)
+    stale = dict(sd)
+    stale["encoder.embed_tokens.weight"] = torch.zeros_like(sd["shared.weight"])
+    model = load_model(save_checkpoint(tmp_path / "stale", cfg, stale))
+    assert torch.equal(model.shared.weight, sd["shared.weight"])
+
+
 # ---------------------------------------------------------------------------
 # checkpoint errors
 # ---------------------------------------------------------------------------
@@ -643,3 +661,66 @@ def test_rope_tables_are_in_the_model_dtype():
     assert (cos.dtype, sin.dtype, cos.shape) == (torch.bfloat16, torch.bfloat16, (5, 8))
     want_cos, want_sin = rope_tables(positions, 8, 10000.0, torch.float32)
     assert torch.equal(cos, want_cos.to(torch.bfloat16)) and torch.equal(sin, want_sin.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("tied, scaled, factor", [(True, True, 32 ** -0.5), (True, False, 1.0),
+                                                  (False, True, 1.0)])
+def test_lm_head_scales_only_a_tied_head_that_says_so(tied, scaled, factor):
+    """config.scale_decoder_outputs: a tied head multiplies by d_model**-0.5 (Hugging Face
+    T5) unless it is false; an untied head never scales."""
+    from xrec.model.onerec import OneRecModel
+
+    torch.manual_seed(0)
+    model = OneRecModel(BASE.replace(tie_word_embeddings=tied, scale_decoder_outputs=scaled))
+    weight = model.shared.weight if tied else model.lm_head.weight
+    hidden = torch.randn(3, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model.logits(hidden), (hidden @ weight.T) * factor)
+
+
+def test_every_tensor_is_made_on_the_model_device():
+    """A model on the meta device (standing in for a GPU, see oracles/devices.py) runs a
+    ragged batch with sparse embeddings and decoder contexts through the prefill and two
+    rounds: a tensor made on the CPU by default fails. The encoder and the decoder get
+    their own depths."""
+    from oracles.devices import only_meta
+    from xrec.model.inputs import ModelInputs
+    from xrec.model.onerec import OneRecModel
+
+    cfg = BASE.replace(num_encoder_layers=1, num_decoder_layers=3)
+    with torch.device("meta"):
+        model = OneRecModel(cfg)
+    assert (len(model.encoder.block), len(model.decoder.block)) == (1, 3)
+    meta = torch.device("meta")
+    inputs = ModelInputs(torch.zeros(3, 5, dtype=torch.long), [5, 3, 4], [1], torch.zeros(1, 5, 32),
+                         [2], torch.zeros(1, 2, 32), [1, 1, 2])
+    with torch.inference_mode(), only_meta():
+        last, context = model.prefill(inputs)
+        beams = model.new_beam_kv(3, 2, 3)
+        tokens = torch.zeros(3, 2, dtype=torch.long, device=meta)
+        hidden = model.decode_step(tokens, 1, context, beams)
+        beams.reorder(torch.zeros(6, dtype=torch.long, device=meta))
+        hidden = model.decode_step(tokens, 2, context, beams)
+    assert (last.device, last.shape) == (meta, (3, 32))
+    assert (hidden.device, hidden.shape) == (meta, (3, 2, 32))
+
+
+def test_float32_embeddings_and_contexts_enter_a_bfloat16_model():
+    """Sparse embeddings and decoder contexts arrive as float32; a bfloat16 model takes
+    them as if they had come in bfloat16."""
+    from xrec.model.inputs import ModelInputs
+    from xrec.model.onerec import OneRecModel
+
+    torch.manual_seed(0)
+    model = OneRecModel(BASE).to(torch.bfloat16)
+    embeddings, contexts = torch.randn(1, 5, 32), torch.randn(1, 2, 32)
+
+    def prefill(embeddings, contexts):
+        inputs = ModelInputs(torch.zeros(2, 5, dtype=torch.long), [5, 4], [1], embeddings,
+                             [0], contexts, [2, 1])
+        with torch.inference_mode():
+            return model.prefill(inputs)[0]
+
+    last = prefill(embeddings, contexts)
+    assert last.dtype == torch.bfloat16
+    assert torch.equal(last, prefill(embeddings.bfloat16(), contexts.bfloat16()))

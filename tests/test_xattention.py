@@ -269,3 +269,34 @@ def test_beam_reorder_identity_and_independence_of_layers():
     for layer in range(3):
         for a, e in zip(beams.layer(layer), before[layer]):
             assert torch.equal(a, e[:, parents])
+
+
+@pytest.mark.parametrize("num_slots", [0, 1, 3])
+def test_beam_kv_layout_and_dtype(num_slots):
+    """Two buffers of `[layers, 2 (K, V), B*W, max(R-1, 1), kvH, Dh]` in the given dtype, the
+    memory the workspace budgets for (search/workspace.py); a layer is `[B, W, R-1, kvH, Dh]`."""
+    beams = BeamKV(3, 2, 4, num_slots, 2, 6, torch.bfloat16, torch.device("cpu"))
+    slots = max(num_slots, 1)
+    for buffer in beams.buffers:
+        assert (buffer.shape, buffer.dtype) == ((3, 2, 8, slots, 2, 6), torch.bfloat16)
+    for t in beams.layer(2):
+        assert (t.shape, t.dtype) == ((2, 4, slots, 2, 6), torch.bfloat16)
+
+
+def test_shared_stage_runs_the_cpu_flash_kernel_when_every_head_has_the_same_mask(monkeypatch):
+    """No bias, or padding only (`[B, 1, P]`): PyTorch's CPU flash kernel (~3x the speed of
+    the scores written out); a per-head position bias (`[B, H, P]`) cannot use it."""
+    from xrec.model import attention
+
+    calls = []
+    flash = attention._cpu_flash_attention
+    monkeypatch.setattr(attention, "_cpu_flash_attention",
+                        lambda *args, **kwargs: calls.append(1) or flash(*args, **kwargs))
+    q, k, v, _, _, bias, _ = _random_case(7, torch.float32, num_batch=2, num_beams=3, num_heads=4,
+                                          num_kv=2, head_dim=8, lengths=[4, 2], num_slots=1,
+                                          has_bias=True)
+    shared_stage(q, k, v, None, 0.5)
+    shared_stage(q, k, v, bias[:, :1], 0.5)
+    assert len(calls) == 2
+    shared_stage(q, k, v, bias, 0.5)
+    assert len(calls) == 2
