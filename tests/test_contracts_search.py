@@ -235,3 +235,41 @@ def test_root_children_are_a_slice_only_for_a_run_of_consecutive_ids():
     assert _root_children(run) == slice(5, 8)
     gap = tables([[5, 1, 1], [7, 2, 2]])
     assert torch.equal(_root_children(gap), torch.tensor([5, 7]))
+
+
+def test_search_pieces_make_their_tensors_on_the_device_of_their_inputs():
+    """On the meta device (standing in for a GPU, see oracles/devices.py) a tensor made on
+    the CPU by default fails."""
+    from oracles.devices import only_meta
+    from xrec.search.step import _Rows, _widths
+
+    meta = torch.device("meta")
+    offsets = torch.tensor([0, 2, 3], device=meta)
+    tokens = torch.tensor([4, 5, 6], device=meta)
+    with only_meta():
+        children = gather_children(offsets, tokens, torch.zeros(2, 3, dtype=torch.long, device=meta), 2)
+        values, indices = select_top(torch.zeros(2, 6, device=meta), 4)
+        values = mask_beyond(values, _widths([2, 4], meta))
+        rows = _Rows([1], 2, meta, None)
+    assert children.tokens.device == children.is_valid.device == meta
+    assert values.device == indices.device == rows.full_index.device == meta
+
+
+def test_rec_step_settings_from_the_model_and_the_catalog():
+    """The step runs on its model's device, 3 rounds unless told; the LM-head rows of the
+    children are used below a quarter of the vocabulary (strictly); a catalog without items
+    is refused whatever its depth."""
+    from types import SimpleNamespace
+
+    from xrec.catalog import ConstraintTables
+    from xrec.search.step import RecStep
+
+    model = SimpleNamespace(device=torch.device("meta"), config=SimpleNamespace(vocab_size=40))
+    unconstrained = RecStep(model, None)
+    assert (unconstrained.device, unconstrained.rounds, unconstrained.is_narrow) == (model.device, 3, [])
+    first = torch.arange(9)
+    tables = ConstraintTables((first, first, first), (torch.tensor([0, 9]),) * 3, (9, 10, 11), 40)
+    assert RecStep(model, tables, 3).is_narrow == [True, False, False]
+    empty = ConstraintTables((first[:0],), (torch.tensor([0, 0]),), (0,), 40, num_levels=1)
+    with pytest.raises(ValueError, match="no items"):
+        RecStep(model, empty, 1)
