@@ -57,7 +57,7 @@ class BeamKV:
             def allocate(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
                 return torch.empty(shape, dtype=dtype, device=device)
         self.buffers = (allocate("beam_kv", shape, dtype), allocate("beam_kv_next", shape, dtype))
-        self.current = 0
+        self.current = 0  # pragma: no mutate
         self.num_batch, self.num_beams = num_batch, num_beams
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:

