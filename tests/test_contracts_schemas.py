@@ -10,9 +10,11 @@ import base64
 import json
 
 import numpy as np
+import orjson
 import pytest
 
 from xrec.api_types import RecCandidate, RecItem, RecResponse
+from xrec.engine.responses import ResponseData
 from xrec.errors import InvalidArgument, PayloadTooLarge
 from xrec.server.schemas import (MAX_DIMENSION, MAX_REQUEST_ID_CHARS, NativeRequest,
                                  SchemaError, XllmRequest, check_value_count, native_request,
@@ -204,11 +206,28 @@ def test_xllm_response_with_items_on_and_off():
     assert off["choices"][1]["logprobs"]["tokens"] == ["<7>", "8"]
 
 
-def test_native_response_carries_the_results_themselves():
-    response = _response()
-    body = native_response(response, "m")
-    assert body["id"] == "rid" and body["model"] == "m" and body["results"] is response.results
-    assert body["usage"] == {"input_tokens": 3} and body["timing"] == {"run_ms": 1.0}
+def _data(is_extended: bool, has_text: bool) -> ResponseData:
+    """Three results: two items, none, one (the first three rows of an extended catalog)."""
+    return ResponseData(
+        "rid", np.array([[5, 6], [7, 8], [9, 1]]), np.array([-1.5, -2.0, -2.25], np.float32),
+        np.array([[-1.0, -0.5], [-1.5, -0.5], [-2.0, -0.25]], np.float32),
+        np.array([42, 43, 44]), np.array([0, 2, 2, 3]),
+        ["d42", "d43", "d44"] if is_extended else None, ["a", "b", "c"] if is_extended else None,
+        ["<5><6>", "<7><8>", "<9><1>"] if has_text else None, {"input_tokens": 3},
+        {"run_ms": 1.0}, "hash")
+
+
+@pytest.mark.parametrize("is_extended, has_text", [(False, False), (True, True)])
+def test_native_response_is_the_response_objects_as_json(is_extended, has_text):
+    """The native answer is written from the arrays; its JSON is that of the `RecResponse`
+    the Python API gives for the same answer (orjson writes a dataclass as its fields)."""
+    data = _data(is_extended, has_text)
+    response = data.to_response()
+    body = native_response(data, "m")
+    assert orjson.loads(orjson.dumps(body)) == orjson.loads(orjson.dumps(
+        {"id": "rid", "model": "m", "results": response.results, "usage": response.usage,
+         "timing": response.timing}))
+    assert [len(r["items"]) for r in body["results"]] == [2, 0, 1]
 
 
 # ---- written against the survivors of the first `make mutate` ----------------------------

@@ -22,6 +22,7 @@ import pytest
 from xrec import DeadlineExceeded, Engine, InvalidArgument, RecRequest, Unavailable
 from xrec.demo import write_random_model
 from xrec.engine.isolated import ProcessEngine
+from xrec.engine.responses import ResponseData
 from xrec.engine.transport import ARENA_MIN_BYTES, Arena, dumps, loads
 from xrec.model.loader import CheckpointError
 
@@ -71,10 +72,18 @@ def test_results_equal_in_thread_execution(model_dir, engine):
     requests = _requests(6) + _embedding_requests(engine.limits.d_model, 4)
     with Engine.from_pretrained(model_dir, isolation="thread", device="cpu") as in_thread:
         expected = in_thread.recommend(requests)
+        # answers as arrays (what the HTTP server asks for), from both kinds of engine
+        as_data = [e.submit_valid_many([e.validate(r) for r in requests], as_data=True)
+                   for e in (in_thread, engine)]
+        as_data = [[f.result(WAIT_S) for f in futures] for futures in as_data]
     got = engine.recommend(requests)
     # tokens, scores, log-probs, items, ids and usage, bit for bit (timings differ)
     assert [(r.request_id, r.results, r.usage) for r in got] == \
         [(r.request_id, r.results, r.usage) for r in expected]
+    for answers in as_data:
+        assert all(isinstance(a, ResponseData) for a in answers)
+        assert [(a.to_response().results, a.usage) for a in answers] == \
+            [(r.results, r.usage) for r in expected]
     assert isinstance(engine, ProcessEngine) and engine.pid != os.getpid() and _is_alive(engine.pid)
 
 

@@ -121,16 +121,17 @@ class Engine(EngineFrontend):
 
     # ---- requests ----------------------------------------------------------
 
-    def submit_valid(self, valid: ValidRequest) -> Future:
+    def submit_valid(self, valid: ValidRequest, as_data: bool = False) -> Future:
         """Queue a request that `validate` returned."""
-        scheduled = self._schedule(valid)
+        scheduled = self._schedule(valid, as_data)
         self.scheduler.submit(scheduled)
         return scheduled.future
 
-    def submit_valid_many(self, valids: Sequence[ValidRequest]) -> list[Future]:
+    def submit_valid_many(self, valids: Sequence[ValidRequest],
+                          as_data: bool = False) -> list[Future]:
         """Queue validated requests at once (so they can share a batch); a request refused
         at admission (queue full, too big) has its future failed."""
-        scheduled = [self._schedule(valid) for valid in valids]
+        scheduled = [self._schedule(valid, as_data) for valid in valids]
         self.scheduler.submit_many(scheduled)
         return [s.future for s in scheduled]
 
@@ -143,14 +144,14 @@ class Engine(EngineFrontend):
     def release_wakeups(self) -> None:
         self.scheduler.release_wakeups()
 
-    def _schedule(self, valid: ValidRequest) -> ScheduledRequest:
+    def _schedule(self, valid: ValidRequest, as_data: bool) -> ScheduledRequest:
         if self._closed.is_set():
             raise Unavailable("engine is closed")
         timeout = valid.timeout_ms or self.options.request_timeout_ms
         deadline = None if timeout is None else time.monotonic() + timeout / 1000.0
         return ScheduledRequest(valid.request_id, valid.input_len + valid.prefix_len,
                                 valid.beam_width, valid.num_results, payload=valid,
-                                deadline=deadline)
+                                deadline=deadline, answer_as_data=as_data)
 
     # ---- the catalog (hot reload: engine/catalogs.py) ---------------------------
 

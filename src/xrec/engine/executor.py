@@ -143,9 +143,10 @@ class Executor:
             finished = self.clock()
             timings = [{"queue_ms": ms(started - r.enqueued_at), "run_ms": ms(finished - started)}
                        for r in batch]
-            responses = [self.finish(data) for data in response_data(
-                output, requests, served.catalog, self.each_threshold, self.total_threshold, timings,
-                self.token_text, served.content_hash)]
+            responses = [data if r.answer_as_data else self.finish(data)
+                         for r, data in zip(batch, response_data(
+                             output, requests, served.catalog, self.each_threshold,
+                             self.total_threshold, timings, self.token_text, served.content_hash))]
             is_ok = True
         except Exception as exc:  # a failure in one batch fails only that batch
             logger.exception("batch of %d requests failed", len(batch))

@@ -21,11 +21,14 @@ class EngineFrontend:
     limits: SearchLimits
     tokenizer: Any
 
-    def submit_valid(self, valid: ValidRequest) -> Future:
-        """Queue a request that `validate` returned."""
+    def submit_valid(self, valid: ValidRequest, as_data: bool = False) -> Future:
+        """Queue a request that `validate` returned. `as_data`: the future resolves to the
+        answer's arrays (`xrec.engine.responses.ResponseData`, what the HTTP server writes
+        JSON from) instead of a `RecResponse` (thousands of small objects to build)."""
         raise NotImplementedError
 
-    def submit_valid_many(self, valids: Sequence[ValidRequest]) -> list[Future]:
+    def submit_valid_many(self, valids: Sequence[ValidRequest],
+                          as_data: bool = False) -> list[Future]:
         """Queue validated requests at once (so they can share a batch)."""
         raise NotImplementedError
 

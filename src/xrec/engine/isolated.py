@@ -67,7 +67,7 @@ class _Link:
     process: subprocess.Popen
     conn: Connection
     arena: Arena
-    pending: dict[int, tuple[Future, _Regions]] = field(default_factory=dict)
+    pending: dict[int, tuple[Future, _Regions, bool]] = field(default_factory=dict)  # as_data
     calls: dict[int, Future] = field(default_factory=dict)
     hooks: list[Callable] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -105,13 +105,13 @@ class _Link:
                 _settle(future, message[2], kind == "error")
                 continue
             with self.lock:
-                future, shared = self.pending.pop(message[1])
+                future, shared, as_data = self.pending.pop(message[1])
                 shared.remaining -= 1
                 regions = (shared.regions or []) if shared.remaining == 0 else []
             self.arena.free(regions)
             if kind == "result":
                 try:
-                    response = message[2].to_response()
+                    response = message[2] if as_data else message[2].to_response()
                 except Exception as exc:  # a bug here must not stop the receiver
                     logger.exception("building a response failed")
                     _settle(future, Internal(f"building the response failed: {exc!r}"), True)
@@ -127,7 +127,7 @@ class _Link:
         except subprocess.TimeoutExpired:
             code = None
         with self.lock:
-            pending = [future for future, _ in self.pending.values()] + list(self.calls.values())
+            pending = [entry[0] for entry in self.pending.values()] + list(self.calls.values())
             self.pending.clear()
             self.calls.clear()
             if self.error is None:
@@ -206,10 +206,11 @@ class ProcessEngine(EngineFrontend):
 
     # ---- requests ----------------------------------------------------------
 
-    def submit_valid(self, valid: ValidRequest) -> Future:
-        return self.submit_valid_many([valid])[0]
+    def submit_valid(self, valid: ValidRequest, as_data: bool = False) -> Future:
+        return self.submit_valid_many([valid], as_data)[0]
 
-    def submit_valid_many(self, valids: Sequence[ValidRequest]) -> list[Future]:
+    def submit_valid_many(self, valids: Sequence[ValidRequest],
+                          as_data: bool = False) -> list[Future]:
         link = self._link
         items = [(next(self._seq), valid) for valid in valids]
         futures = [Future() for _ in items]
@@ -218,7 +219,7 @@ class ProcessEngine(EngineFrontend):
             if link.error is not None:
                 raise link.error
             for (seq, _), future in zip(items, futures):
-                link.pending[seq] = (future, shared)
+                link.pending[seq] = (future, shared, as_data)
         try:
             regions = link.send(("submit", items))
         except BaseException:

@@ -37,6 +37,7 @@ class ScheduledRequest:
     deadline: float | None = None
     future: Future = field(default_factory=Future)
     enqueued_at: float = 0.0  # set by FixedStepsScheduler.submit()
+    answer_as_data: bool = False  # the future gets the `ResponseData`, not a `RecResponse`
     # Owned by the scheduler: set under its lock on submit / by its loop thread only.
     _is_submitted: bool = field(default=False, init=False, repr=False)
     _num_overtaken: int = field(default=0, init=False, repr=False)

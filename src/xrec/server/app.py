@@ -60,7 +60,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -72,6 +72,9 @@ from xrec.errors import (Cancelled, Internal, InvalidArgument, NotFound, Payload
                          Unauthenticated, Unavailable, XrecError)
 from xrec.server import chat, openapi, schemas
 from xrec.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from xrec.engine.responses import ResponseData
 
 logger = logging.getLogger(__name__)
 
@@ -205,10 +208,11 @@ class XrecService:
             raise Cancelled("request was cancelled")
         return waiter.result()  # raises the engine's XrecError
 
-    def _payload(self, engine: Any, api: str, parsed: Any, result: Any) -> dict:
+    def _payload(self, engine: Any, api: str, parsed: Any, data: ResponseData) -> dict:
         """The answer's JSON object in the route's shape."""
         if api == "native":
-            return schemas.native_response(result, self.model_name)
+            return schemas.native_response(data, self.model_name)
+        result = data.to_response()
         tokenizer = engine.tokenizer
         token_string = tokenizer.id_to_token if tokenizer is not None else None
         if api == "xllm":
@@ -258,7 +262,7 @@ class XrecService:
         try:
             self._check_model(parsed.model)
             valid = engine.validate(convert(parsed, request_id))
-            future = engine.submit_valid(valid)
+            future = engine.submit_valid(valid, as_data=True)
         except XrecError as e:
             e.request_id = e.request_id or request_id
             raise

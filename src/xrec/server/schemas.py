@@ -60,15 +60,19 @@ from __future__ import annotations
 
 import base64
 import binascii
+import itertools
 import time
 import uuid
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from xrec.api_types import RecRequest, RecResponse, SearchLimits
 from xrec.errors import InvalidArgument, PayloadTooLarge
+
+if TYPE_CHECKING:
+    from xrec.engine.responses import ResponseData
 
 EMBEDDING_NAMES = ("sparse_embedding", "decoder_context_embedding")
 STRICT = ConfigDict(strict=True, extra="forbid")
@@ -342,13 +346,21 @@ def _shape(name: str, shape: list[int]) -> tuple[int, int]:
 
 # ---- responses ---------------------------------------------------------------
 
-def native_response(response: RecResponse, model: str) -> dict:
-    """The native answer. Each result is the `RecCandidate` itself: orjson writes a
-    dataclass as an object of its fields (tokens, score, token_logprobs, items of
-    item_id/did/type, text), which is this route's result schema, 2.4x faster than
-    building the dicts (tests/test_server.py checks the exact shape)."""
-    return {"id": response.request_id, "model": model, "results": response.results,
-            "usage": response.usage, "timing": response.timing}
+def native_response(data: ResponseData, model: str) -> dict:
+    """The native answer, written from the answer's arrays: each result is an object of
+    `RecCandidate`'s fields (tokens, score, token_logprobs, items of item_id/did/type,
+    text), the shape `tests/test_server.py` checks. Building these dicts takes half the
+    time of building the `RecCandidate` objects, which the server never needs."""
+    ids, bounds = data.item_ids.tolist(), data.item_offsets.tolist()
+    dids, types = data.dids or itertools.repeat(None), data.types or itertools.repeat(None)
+    items = [{"item_id": i, "did": did, "type": t} for i, did, t in zip(ids, dids, types)]
+    results = [{"tokens": tokens, "score": score, "token_logprobs": logprobs,
+                "items": items[start:end], "text": text}
+               for tokens, score, logprobs, start, end, text in zip(
+                   data.tokens.tolist(), data.scores.tolist(), data.token_logprobs.tolist(),
+                   bounds, bounds[1:], data.texts or itertools.repeat(None))]
+    return {"id": data.request_id, "model": model, "results": results, "usage": data.usage,
+            "timing": data.timing}
 
 
 def xllm_response(response: RecResponse, model: str, rounds: int, is_items_on: bool,
