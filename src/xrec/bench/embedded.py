@@ -11,7 +11,8 @@ Host conditions, each in a fresh process per isolation mode (`thread`, `process`
 The rows run `--rounds` times in turn (a fresh process each time), so that a slow phase
 of a shared machine falls on every row alike. Reported per row: the median over rounds of
 the median batch time of `--repeats` runs of the same batch, its throughput as a fraction
-of xrec alone (in-thread, the fastest case with an idle host), and for `host-loop` the
+of xrec alone (in-thread, the fastest case with an idle host; the median over rounds of
+the ratio within each round), and for `host-loop` the
 fraction of its solo speed the host loop kept. The transport overhead is measured in one
 more fresh process that holds both kinds of engine: one W=128 request with a
 256 x d_model embedding, sent to each in turn, the median of the paired differences
@@ -58,8 +59,9 @@ def run(args: argparse.Namespace) -> int:
             for c, i in pairs]
     reference = next((r for r in rows if r["condition"] == "alone" and r["isolation"] == "thread"),
                      rows[0])
-    for row in rows:
-        row["throughput_vs_alone"] = reference["batch_ms"] / row["batch_ms"]
+    for row in rows:   # paired by round: rows of one round ran minutes apart, not tens
+        row["throughput_vs_alone"] = statistics.median(
+            r / t for r, t in zip(reference["batch_ms_rounds"], row["batch_ms_rounds"]))
     transport = None
     if set(ISOLATIONS) <= set(args.isolations):
         print("xrec bench embedded: transport overhead", file=sys.stderr)
