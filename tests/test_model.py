@@ -104,7 +104,7 @@ def run_xrec(model, requests, contexts, feeds: torch.Tensor, parents: torch.Tens
         rounds.append(([[list(s) for s in row] for row in seqs], model.logits(h)))
         if parents is not None and r < num_rounds:
             offsets = torch.arange(num_batch).unsqueeze(1) * num_beams
-            beams.reorder((parents[r - 1] + offsets).flatten())
+            beams.reorder((parents[r - 1] + offsets).flatten(), num_written=r)
             seqs = [[list(seqs[b][int(p)]) for p in parents[r - 1, b]] for b in range(num_batch)]
     outputs = [encoder_output[b, :n] for b, n in enumerate(lengths)]
     return outputs, prefix_logits, rounds
@@ -699,7 +699,7 @@ def test_every_tensor_is_made_on_the_model_device():
         beams = model.new_beam_kv(3, 2, 3)
         tokens = torch.zeros(3, 2, dtype=torch.long, device=meta)
         hidden = model.decode_step(tokens, 1, context, beams)
-        beams.reorder(torch.zeros(6, dtype=torch.long, device=meta))
+        beams.reorder(torch.zeros(6, dtype=torch.long, device=meta), num_written=1)
         hidden = model.decode_step(tokens, 2, context, beams)
     assert (last.device, last.shape) == (meta, (3, 32))
     assert (hidden.device, hidden.shape) == (meta, (3, 2, 32))

@@ -121,7 +121,8 @@ def test_prompt_and_round_logits_match_hf(models, variant):
                     want = hf_causal_logits(hf, prompt + seqs[b][w])[-1]
                     torch.testing.assert_close(step[b, w], want, rtol=0, atol=3e-5)
             parents = torch.randint(0, num_beams, (len(PROMPTS), num_beams), generator=gen)
-            beams.reorder((parents + torch.arange(len(PROMPTS)).unsqueeze(1) * num_beams).flatten())
+            beams.reorder((parents + torch.arange(len(PROMPTS)).unsqueeze(1) * num_beams).flatten(),
+                          num_written=r)
             seqs = [[list(seqs[b][int(p)]) for p in parents[b]] for b in range(len(PROMPTS))]
 
 

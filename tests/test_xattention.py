@@ -240,13 +240,13 @@ def test_beam_reorder_equals_naive_gather(dtype):
         _assert_same(beams, naive, num_layers, round_index + 1)
         # reorder: beam j of request b takes the history of beam parents[b][j] of the same request
         flat = torch.tensor([b * num_beams + p for b, row in enumerate(parents) for p in row])
-        beams.reorder(flat)
+        beams.reorder(flat, num_written=round_index + 1)
         naive = [[[list(naive[layer][kv][int(flat[j])]) for j in range(total)] for kv in range(2)]
                  for layer in range(num_layers)]
         _assert_same(beams, naive, num_layers, round_index + 1)
     # any flat index into B*W is allowed, also across requests
     flat = torch.tensor([11, 0, 5, 5, 2, 9, 1, 1, 7, 4, 10, 3])
-    beams.reorder(flat)
+    beams.reorder(flat, num_written=len(parent_lists))
     naive = [[[list(naive[layer][kv][int(flat[j])]) for j in range(total)] for kv in range(2)]
              for layer in range(num_layers)]
     _assert_same(beams, naive, num_layers, len(parent_lists))
@@ -260,12 +260,12 @@ def test_beam_reorder_identity_and_independence_of_layers():
         k.copy_(torch.arange(k.numel(), dtype=torch.float32).view(k.shape) + 1000 * layer)
         v.copy_(-k)
     before = [tuple(t.clone() for t in beams.layer(layer)) for layer in range(3)]
-    beams.reorder(torch.arange(5))
+    beams.reorder(torch.arange(5), num_written=2)
     for layer in range(3):
         for a, e in zip(beams.layer(layer), before[layer]):
             assert torch.equal(a, e)
     parents = torch.tensor([4, 4, 0, 2, 1])
-    beams.reorder(parents)
+    beams.reorder(parents, num_written=2)
     for layer in range(3):
         for a, e in zip(beams.layer(layer), before[layer]):
             assert torch.equal(a, e[:, parents])

