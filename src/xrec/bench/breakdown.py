@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from xrec import Engine, RecRequest
     from xrec.api_types import validate
     from xrec.search.batch import prepare_batch
+    from xrec.search.workspace_buffers import Workspace
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -67,14 +68,16 @@ def run(args: argparse.Namespace) -> int:
         bar = progress_bar(args, len(MODES) * 2 * (args.warmup + args.repeats) + 2 * len(MODES),
                            "breakdown")
         modes = {}
+        workspace = Workspace(engine.model.device)   # reused buffers, as a pipeline runs its steps
         for mode in MODES:
             requests = [RecRequest(token_ids=row, beam_width=workload.beam_width, normalize=mode)
                         for row in workload.token_ids.tolist()]
             batch = prepare_batch([validate(r, engine.limits) for r in requests], config.d_model)
-            step_s = _timed(lambda: in_fresh_thread(lambda: engine.step.run(batch)), args, bar)
+            step_s = _timed(lambda: in_fresh_thread(lambda: engine.step.run(batch, workspace)),
+                            args, bar)
             api_s = _timed(lambda: engine.recommend(requests), args, bar)
-            modes[mode] = {"step_ms": step_s * 1e3, "recommend_ms": api_s * 1e3,
-                           **in_fresh_thread(lambda: profile_step(engine.step, batch))}
+            profile = in_fresh_thread(lambda: profile_step(engine.step, batch, workspace=workspace))
+            modes[mode] = {"step_ms": step_s * 1e3, "recommend_ms": api_s * 1e3, **profile}
             bar.update(2)
         bar.close()
     finally:
@@ -102,11 +105,12 @@ def _timed(fn, args: argparse.Namespace, bar) -> float:
     return statistics.median(times)
 
 
-def profile_step(step, batch, parts: dict[tuple[str, str], str] = PARTS) -> dict:
-    """Wall time, op time, host overhead and op time per part of one `step.run(batch)`;
-    `parts`: (file, function) of the innermost xrec frame that names an op's part."""
-    wall_us, ops = _profiled_ops(step, batch, with_stack=False)
-    _, ops_stacked = _profiled_ops(step, batch, with_stack=True)
+def profile_step(step, batch, parts: dict[tuple[str, str], str] = PARTS, workspace=None) -> dict:
+    """Wall time, op time, host overhead and op time per part of one `step.run(batch,
+    workspace)`; `parts`: (file, function) of the innermost xrec frame that names an op's
+    part."""
+    wall_us, ops = _profiled_ops(step, batch, workspace, with_stack=False)
+    _, ops_stacked = _profiled_ops(step, batch, workspace, with_stack=True)
     parts_of = _parts(ops_stacked, parts)
     is_matched = [e.name for e in ops] == [e.name for e in ops_stacked]
     timed = ops if is_matched else ops_stacked
@@ -126,14 +130,14 @@ def profile_step(step, batch, parts: dict[tuple[str, str], str] = PARTS) -> dict
             "part_times_from": "plain run" if is_matched else "stack run"}
 
 
-def _profiled_ops(step, batch, with_stack: bool):
+def _profiled_ops(step, batch, workspace, with_stack: bool):
     """(wall µs of the step, its top-level torch ops in order) from one profiled run."""
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], with_stack=with_stack) as prof:
         with record_function("bench::step"):
-            step.run(batch)
+            step.run(batch, workspace)
     events = list(prof.events())
     marker = next(e for e in events if e.name == "bench::step")
     start, end = marker.time_range.start, marker.time_range.end

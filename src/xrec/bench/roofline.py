@@ -6,8 +6,8 @@ For each workload (model size, W, L, requests):
 2. the GEMM peak of this machine, in a fresh process, with the same intra-op threads
    (bench/peak.py; bfloat16 too where the device has it), before and after the runs;
 3. xrec's step time (median, not profiled) -> achieved FLOP/s and fraction of peak; each
-   timed step is followed by one product of the peak's GEMM shape (in a fresh thread,
-   as the step), and the fraction is also taken run by run against that reference:
+   timed step is bracketed by products of the peak's GEMM shape (in fresh threads, as
+   the step), and the fraction is also taken run by run against that reference:
    on a shared machine the GEMM rate drifts by a quarter within minutes, so a ratio of
    two measurements taken minutes apart says more about the neighbours than about xrec;
 4. one profiled step (bench/breakdown.py's attribution by Python stack) -> time per
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-
+import math
 import statistics
 import time
 
@@ -119,6 +119,7 @@ def measure_workload(engine, width: int, length: int, num_requests: int, peaks: 
     from xrec import RecRequest
     from xrec.api_types import validate
     from xrec.search.batch import prepare_batch
+    from xrec.search.workspace_buffers import Workspace
 
     config = engine.model.config
     workload = make_workload(config.vocab_size, num_requests, length, width, args.seed)
@@ -128,8 +129,9 @@ def measure_workload(engine, width: int, length: int, num_requests: int, peaks: 
     peak_dtype = dtype if peaks.get(dtype) else "float32"   # no native bf16: the fp32 peak
     peak = peaks[peak_dtype]
     reference = Gemm(tuple(peak["shape"]), args.device, peak_dtype)
-    timing = interleaved(lambda: engine.step.run(batch), reference, args, bar)
-    profile = in_fresh_thread(lambda: profile_step(engine.step, batch, COMPONENT_OF))
+    workspace = Workspace(engine.model.device)   # reused buffers, as a pipeline runs its steps
+    timing = interleaved(lambda: engine.step.run(batch, workspace), reference, args, bar)
+    profile = in_fresh_thread(lambda: profile_step(engine.step, batch, COMPONENT_OF, workspace))
     bar.update(1)
     shape = SearchShape(num_requests, length, width, fan_out(engine.step.tables),
                         prefix_len=config.decoder_start_len)
@@ -138,8 +140,10 @@ def measure_workload(engine, width: int, length: int, num_requests: int, peaks: 
 
 
 def interleaved(step, reference: Gemm, args: argparse.Namespace, bar) -> dict:
-    """Warm-up steps, then `args.repeats` x (one step, then the reference GEMM), each in a
-    fresh thread: step seconds and reference FLOP/s, run by run."""
+    """Warm-up steps, then the reference GEMM and `args.repeats` x (one step, then the
+    reference GEMM), each in a fresh thread: step seconds, and per step the reference
+    FLOP/s around it (the geometric mean of the products just before and just after:
+    the rate drifts within seconds here, and a step is bracketed better than followed)."""
     def timed(fn) -> float:
         def run() -> float:
             start = time.perf_counter()
@@ -147,18 +151,21 @@ def interleaved(step, reference: Gemm, args: argparse.Namespace, bar) -> dict:
             return time.perf_counter() - start
         return in_fresh_thread(run)
 
+    def rate() -> float:
+        # the best of three products: the first in a fresh thread also pays its thread team's
+        # start, and the step's own team may still spin for a moment
+        return reference.flops / in_fresh_thread(lambda: min(reference.seconds() for _ in range(3)))
+
     for _ in range(args.warmup):
         timed(step)
         bar.update(1)
-    steps, rates = [], []
+    steps, rates = [], [rate()]
     for _ in range(args.repeats):
         steps.append(timed(step))
-        # the best of three products: the first in a fresh thread also pays its thread team's
-        # start, and the step's own team may still spin for a moment
-        rates.append(reference.flops / in_fresh_thread(
-            lambda: min(reference.seconds() for _ in range(3))))
+        rates.append(rate())
         bar.update(1)
-    return {"step_s": steps, "reference_flops_per_s": rates}
+    around = [math.sqrt(before * after) for before, after in zip(rates, rates[1:])]
+    return {"step_s": steps, "reference_flops_per_s": around}
 
 
 def summarize(flops: dict[str, float], timing: dict, profile: dict, peak: float) -> dict:
@@ -214,7 +221,7 @@ def markdown(record: dict) -> str:
     lines.append("\nFLOPs: the work a faithful search must do (src/xrec/bench/flops.py). Fraction of "
                  "peak = FLOPs / median step time / the GEMM peak measured in a fresh process "
                  "before the runs. Fraction of the reference = the median over runs of FLOPs / "
-                 "step time / the FLOP/s of the peak's GEMM timed right after that step (the "
+                 "step time / the FLOP/s of the peak's GEMM timed around that step (the "
                  "target's measure: both sides at the same moment). Component times come from "
                  "one profiled step (the profiler adds a few µs per op); their fractions are "
                  "against the peak.")
