@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xrec.model.layers import Linear
+
 
 class Attention(nn.Module):
     """q/k/v/o projections with Hugging Face T5 names; block 0 owns the relative bias table."""
@@ -25,10 +27,10 @@ class Attention(nn.Module):
                  num_buckets: int | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q = nn.Linear(d_model, num_heads * head_dim, bias=False)  # pragma: no mutate
-        self.k = nn.Linear(d_model, num_kv_heads * head_dim, bias=False)  # pragma: no mutate
-        self.v = nn.Linear(d_model, num_kv_heads * head_dim, bias=False)  # pragma: no mutate
-        self.o = nn.Linear(num_heads * head_dim, d_model, bias=False)  # pragma: no mutate
+        self.q = Linear(d_model, num_heads * head_dim, bias=False)  # pragma: no mutate
+        self.k = Linear(d_model, num_kv_heads * head_dim, bias=False)  # pragma: no mutate
+        self.v = Linear(d_model, num_kv_heads * head_dim, bias=False)  # pragma: no mutate
+        self.o = Linear(num_heads * head_dim, d_model, bias=False)  # pragma: no mutate
         if num_buckets is not None:
             self.relative_attention_bias = nn.Embedding(num_buckets, num_heads)
 

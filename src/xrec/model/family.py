@@ -23,6 +23,7 @@ from torch import nn
 
 from xrec.model.inputs import ModelInputs
 from xrec.model.kv import BeamKV
+from xrec.model.layers import linear
 
 _LOG2_E, _LN_2 = 1.0 / math.log(2.0), math.log(2.0)
 
@@ -82,7 +83,7 @@ class RecModel(nn.Module):
         weight, scale = self.head_weight()
         if scale != 1.0:
             hidden = hidden * scale
-        return (hidden @ weight.T).float()
+        return linear(hidden, weight).float()
 
     def logits_logsumexp(self, hidden: torch.Tensor, row_scale: torch.Tensor | None = None,
                          block_rows: int = 512, block_vocab: int = 4096) -> torch.Tensor:
@@ -141,7 +142,7 @@ class RecModel(nn.Module):
         the catalog's root)."""
         weight, scale = self.head_weight()
         rows = weight[token_ids] if isinstance(token_ids, slice) else F.embedding(token_ids, weight)
-        return ((hidden * scale) @ rows.T).float()
+        return linear(hidden * scale, rows).float()
 
     def candidate_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor,
                          block_bytes: int = 2 << 20) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Small building blocks: RMSNorm, gated-SiLU feed-forward (T5 and Qwen names), T5 position buckets."""
+"""Small building blocks: linear layers, RMSNorm, gated-SiLU feed-forward (T5 and Qwen names),
+T5 position buckets."""
 
 from __future__ import annotations
 
@@ -7,6 +8,37 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+# Up to this many rows, a float32 product on a CPU is taken weight-first (see `linear`).
+WEIGHT_FIRST_MAX_ROWS = 64
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x [..., K] @ weight[N, K].T (+ bias)` -> `[..., N]`, as `F.linear`.
+
+    On a CPU, float32 products with 2 to `WEIGHT_FIRST_MAX_ROWS` rows are taken as
+    `weight @ x.T`, then transposed back. For a product with few rows MKL's sgemm packs
+    the whole weight each call and reads it at ~8 GB/s on these cores; weight-first it
+    reads it about twice as fast. Measured on 2 cores with the weights cycled (cold, as
+    in a step), widths 1024-2048, the transposing copy included: 1.1-2.3x the speed at
+    2-64 rows, equal at one row and at ~128 rows and above. Rows of this size are the
+    decoder prefix and the round-0 head of a batch (one row per request), small beam
+    widths, and a mixture's experts.
+    """
+    rows = x.numel() // x.shape[-1]
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not 2 <= rows <= WEIGHT_FIRST_MAX_ROWS:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1]).T                               # [K, rows]
+    out = torch.mm(weight, flat) if bias is None else torch.addmm(bias.unsqueeze(1), weight, flat)
+    return out.T.contiguous().view(*x.shape[:-1], weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters, names and checkpoints) computed by `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -27,7 +59,7 @@ class RMSNorm(nn.Module):
         return (xf * inverse_rms).to(x.dtype).mul_(self.weight)
 
 
-def gated_silu(x: torch.Tensor, gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> torch.Tensor:
+def gated_silu(x: torch.Tensor, gate: Linear, up: Linear, down: Linear) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)): the feed-forward of both families."""
     hidden = F.silu(gate(x), inplace=True)         # in place: no extra [.., d_ff] buffers
     return down(hidden.mul_(up(x)))
@@ -38,9 +70,9 @@ class GatedFFN(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int):
         super().__init__()
-        self.wi_0 = nn.Linear(d_model, d_ff, bias=False)
-        self.wi_1 = nn.Linear(d_model, d_ff, bias=False)
-        self.wo = nn.Linear(d_ff, d_model, bias=False)
+        self.wi_0 = Linear(d_model, d_ff, bias=False)
+        self.wi_1 = Linear(d_model, d_ff, bias=False)
+        self.wo = Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gated_silu(x, self.wi_0, self.wi_1, self.wo)
@@ -51,9 +83,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int):
         super().__init__()
-        self.gate_proj = nn.Linear(d_model, d_ff, bias=False)
-        self.up_proj = nn.Linear(d_model, d_ff, bias=False)
-        self.down_proj = nn.Linear(d_ff, d_model, bias=False)
+        self.gate_proj = Linear(d_model, d_ff, bias=False)
+        self.up_proj = Linear(d_model, d_ff, bias=False)
+        self.down_proj = Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gated_silu(x, self.gate_proj, self.up_proj, self.down_proj)

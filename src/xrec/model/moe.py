@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xrec.config import ModelConfig
-from xrec.model.layers import SwiGLU, gated_silu
+from xrec.model.layers import Linear, SwiGLU, gated_silu
 from xrec.qwen_config import QwenConfig
 
 
@@ -43,9 +43,9 @@ class ExpertFFN(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int):
         super().__init__()
-        self.w1 = nn.Linear(d_model, d_ff, bias=False)
-        self.w3 = nn.Linear(d_model, d_ff, bias=False)
-        self.w2 = nn.Linear(d_ff, d_model, bias=False)
+        self.w1 = Linear(d_model, d_ff, bias=False)
+        self.w3 = Linear(d_model, d_ff, bias=False)
+        self.w2 = Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gated_silu(x, self.w1, self.w3, self.w2)
@@ -57,7 +57,7 @@ class MoE(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         d = config.d_model
-        self.gate = nn.Linear(d, config.moe_num_experts, bias=False)
+        self.gate = Linear(d, config.moe_num_experts, bias=False)
         self.experts = nn.ModuleList(ExpertFFN(d, config.moe_inter_dim)
                                      for _ in range(config.moe_num_experts))
         self.shared_experts = (ExpertFFN(d, config.moe_inter_dim * config.moe_num_shared_experts)
@@ -82,7 +82,7 @@ class SparseMoE(nn.Module):
     def __init__(self, config: QwenConfig):
         super().__init__()
         d = config.hidden_size
-        self.gate = nn.Linear(d, config.num_experts, bias=False)
+        self.gate = Linear(d, config.num_experts, bias=False)
         self.experts = nn.ModuleList(SwiGLU(d, config.moe_intermediate_size)
                                      for _ in range(config.num_experts))
         self.top_k = config.num_experts_per_tok

@@ -19,7 +19,7 @@ from xrec.model.attention import (Attention, attend, attend_beams, merge_states,
 from xrec.model.family import RecModel
 from xrec.model.inputs import ModelInputs
 from xrec.model.kv import BeamKV, CrossKV, PrefixKV
-from xrec.model.layers import GatedFFN, RMSNorm, relative_position_bucket
+from xrec.model.layers import GatedFFN, Linear, RMSNorm, relative_position_bucket
 from xrec.model.moe import MoE
 
 PREFIXES = ("module.module3.t5_model.", "model.")
@@ -145,7 +145,7 @@ class OneRecModel(RecModel):
         self.encoder = Stack(config, is_decoder=False)  # pragma: no mutate
         self.decoder = Stack(config, is_decoder=True)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.d_model, config.vocab_size, bias=False)
 
     # ---- the family interface ------------------------------------------------
 

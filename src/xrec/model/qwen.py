@@ -23,7 +23,7 @@ from xrec.model.attention import (attend, attend_beams, merge_states, padding_ma
 from xrec.model.family import RecModel
 from xrec.model.inputs import ModelInputs
 from xrec.model.kv import BeamKV, PrefixKV
-from xrec.model.layers import RMSNorm, SwiGLU
+from xrec.model.layers import Linear, RMSNorm, SwiGLU
 from xrec.model.moe import SparseMoE
 from xrec.model.rope import apply_rope, rope_tables
 from xrec.qwen_config import QwenConfig
@@ -37,10 +37,10 @@ class QwenAttention(nn.Module):
         d, heads, kv, hd = (config.hidden_size, config.num_attention_heads,
                             config.num_key_value_heads, config.head_dim)
         self.num_heads, self.num_kv_heads, self.head_dim = heads, kv, hd
-        self.q_proj = nn.Linear(d, heads * hd, bias=config.has_qkv_bias)
-        self.k_proj = nn.Linear(d, kv * hd, bias=config.has_qkv_bias)
-        self.v_proj = nn.Linear(d, kv * hd, bias=config.has_qkv_bias)
-        self.o_proj = nn.Linear(heads * hd, d, bias=config.has_o_bias)
+        self.q_proj = Linear(d, heads * hd, bias=config.has_qkv_bias)
+        self.k_proj = Linear(d, kv * hd, bias=config.has_qkv_bias)
+        self.v_proj = Linear(d, kv * hd, bias=config.has_qkv_bias)
+        self.o_proj = Linear(heads * hd, d, bias=config.has_o_bias)
         if config.has_qk_norm:
             self.q_norm = RMSNorm(hd, config.rms_norm_eps)
             self.k_norm = RMSNorm(hd, config.rms_norm_eps)
@@ -94,7 +94,7 @@ class QwenModel(RecModel):
         self.config = config
         self.model = QwenBody(config)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.scale = config.head_dim ** -0.5
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
