@@ -26,8 +26,10 @@ def use_threads_in_this_thread(num_threads: int) -> None:
     """Run this thread's torch CPU ops on `num_threads` intra-op threads, leaving every
     other thread as it was. Falls back to `torch.set_num_threads` (with a warning) on a
     build without OpenMP/MKL symbols to call."""
-    # torch sets a thread's count on its first parallel op; do that first, then override
-    torch.ones(2).add_(1)
+    # torch sets a thread's count (from torch.set_num_threads, if anyone called it) on its
+    # first parallel op or thread-count query, once per thread; do that first, then override.
+    # A 2-element op alone does not: it never reaches parallel_for.
+    torch.get_num_threads()
     setters = _thread_local_setters()
     if setters is None:
         logger.warning("no thread-local OpenMP/MKL setters in this torch build; "
