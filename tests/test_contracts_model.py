@@ -12,8 +12,10 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from xrec.model.layers import RMSNorm, gated_silu, relative_position_bucket
+import xrec.model.layers as layers
+from xrec.model.layers import Linear, RMSNorm, gated_silu, linear, relative_position_bucket
 from xrec.model.inputs import ModelInputs
 from xrec.model.loader import load_model
 
@@ -34,6 +36,30 @@ def test_rms_norm_keeps_the_input_dtype_and_computes_in_float32():
     assert out.dtype == torch.bfloat16
     expected = x.float() / x.float().pow(2).mean(-1, keepdim=True).sqrt()
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, layers.WEIGHT_FIRST_MAX_ROWS, layers.WEIGHT_FIRST_MAX_ROWS + 1])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_linear_is_f_linear_on_either_path(rows, has_bias):
+    """Weight-first (few rows) or not, `linear` is x @ W.T + b in x's leading shape: against
+    float64 products, values and gradients (training goes through the same layers)."""
+    g = torch.Generator().manual_seed(rows)
+    layer = Linear(48, 40, bias=has_bias)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    x = torch.randn(rows, 1, 48, generator=g, requires_grad=True)   # odd leading dims
+    out = layer(x)
+    expected = x.detach().double() @ layer.weight.detach().double().T
+    if has_bias:
+        expected = expected + layer.bias.detach().double()
+    assert out.shape == (rows, 1, 40) and out.is_contiguous()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    out.sum().backward()
+    torch.testing.assert_close(x.grad.double(), layer.weight.detach().double().sum(0).expand(rows, 1, 48),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear(x.detach(), layer.weight), F.linear(x.detach(), layer.weight),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_gated_silu_is_down_of_silu_gate_times_up():
