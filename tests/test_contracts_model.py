@@ -38,7 +38,10 @@ def test_rms_norm_keeps_the_input_dtype_and_computes_in_float32():
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=0)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, layers.WEIGHT_FIRST_MAX_ROWS, layers.WEIGHT_FIRST_MAX_ROWS + 1])
+FEW_ROWS = layers.WEIGHT_FIRST_MAX_ROWS
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, FEW_ROWS, FEW_ROWS + 1])
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_linear_is_f_linear_on_either_path(rows, has_bias):
     """Weight-first (few rows) or not, `linear` is x @ W.T + b in x's leading shape: against
@@ -56,8 +59,8 @@ def test_linear_is_f_linear_on_either_path(rows, has_bias):
     assert out.shape == (rows, 1, 40) and out.is_contiguous()
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
     out.sum().backward()
-    torch.testing.assert_close(x.grad.double(), layer.weight.detach().double().sum(0).expand(rows, 1, 48),
-                               rtol=1e-5, atol=1e-5)
+    expected_grad = layer.weight.detach().double().sum(0).expand(rows, 1, 48)
+    torch.testing.assert_close(x.grad.double(), expected_grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(linear(x.detach(), layer.weight), F.linear(x.detach(), layer.weight),
                                rtol=1e-5, atol=1e-5)
 
