@@ -396,9 +396,10 @@ def test_names_prefixes_and_shards_load_the_same(tmp_path, config_name):
             assert set(state) == set(want_state), naming
             for key, tensor in want_state.items():
                 assert torch.equal(state[key], tensor), (naming, key)
-            # equal weights; outputs equal up to kernel rounding (memory alignment may differ)
+            # equal weights; outputs equal up to float32 kernel rounding (memory alignment may
+            # differ: the MoE case reached 1.03e-6 of the largest logit on an AVX-512 EPYC)
             for a, b in zip(_outputs(model), want):
-                _rel_close(a, b, 1e-6, naming)
+                _rel_close(a, b, 1e-5, naming)
 
 
 def test_reversed_square_bias_is_a_view_of_the_pairwise_bias():
