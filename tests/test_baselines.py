@@ -8,9 +8,9 @@ import pytest
 
 pytest.importorskip("scipy")
 
-from xrec.data import Interactions, Split  # noqa: E402
-from xrec.data import baselines  # noqa: E402
-from xrec.data.baselines import BASELINES, item_similarity, rank_baseline, top_k  # noqa: E402
+from xrec.realdata.data import Interactions, Split  # noqa: E402
+from xrec.realdata.data import baselines  # noqa: E402
+from xrec.realdata.data.baselines import BASELINES, item_similarity, rank_baseline, top_k  # noqa: E402
 
 
 def make_split(train: list[list[int]], valid: list[int], test: list[int], num_items: int) -> Split:

@@ -16,8 +16,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
 from xrec.bench.cli import main  # noqa: E402
-from xrec.bench.common import markdown_table, percentile, summarize  # noqa: E402
-from xrec.bench.contenders import build_trie, overlap, prefix_allowed_tokens  # noqa: E402
+from xrec.bench.lib.common import markdown_table, percentile, summarize  # noqa: E402
+from xrec.bench.lib.contenders import build_trie, overlap, prefix_allowed_tokens  # noqa: E402
 from xrec.bench.serve import Sent, arrivals, summarize_load  # noqa: E402
 
 
@@ -239,7 +239,7 @@ def test_poisson_arrivals_and_load_summary():
 
 
 def test_hf_export_refuses_grouped_kv_heads():
-    from xrec.hf_models import hf_t5_config
+    from xrec.realdata.train.hf_models import hf_t5_config
     from xrec.config import MODEL_SIZES
 
     with pytest.raises(ValueError, match="grouped kv heads"):

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from xrec.catalog import CatalogError, ItemCatalog
-from xrec.catalog_cli import add_catalog_parser, main
-from xrec.catalog_import import import_sid2pid, import_token_csv, import_token_map
+from xrec.catalog.cli import add_catalog_parser, main
+from xrec.catalog.importers import import_sid2pid, import_token_csv, import_token_map
 from xrec.config import MODEL_SIZES
-from xrec.sid_vocab import SidLayout, write_sid_tokenizer
+from xrec.catalog.sid_vocab import SidLayout, write_sid_tokenizer
 from xrec.tokenizer import PromptTokenizer
 
 # <s_a_0> = 538, <s_b_0> = 554, <s_c_0> = 570, <|sid_begin|> = 586, <|sid_end|> = 587
@@ -256,7 +256,7 @@ def test_cli_subprocess_and_parser(tmp_path, model_dir):
     args = parser.parse_args(["catalog", "import", "--model", "m", "--format", "sid2pid", "in"])
     assert (args.command, args.codebook_size, args.out, args.input) == ("catalog", 8192, None, "in")
     path = write_json(tmp_path / "index.json", {"3": ["<s_a_1>", "<s_b_1>", "<s_c_1>"]})
-    proc = subprocess.run([sys.executable, "-m", "xrec.catalog_cli", "import", "--model",
+    proc = subprocess.run([sys.executable, "-m", "xrec.catalog.cli", "import", "--model",
                            str(model_dir), "--format", "json", str(path), "--out",
                            str(tmp_path / "c.bin")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

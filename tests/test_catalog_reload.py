@@ -51,7 +51,7 @@ class HoldBatches:
         self.entered, self.release = threading.Event(), threading.Event()
 
     def __call__(self, batch) -> None:
-        if any(r.request_id.startswith("hold") for r in batch):
+        if any(r.request_id.startswith("hold") for r in batch.requests):
             self.entered.set()
             assert self.release.wait(WAIT_S)
 
@@ -236,7 +236,7 @@ def test_extended_catalog_reload(engine, tmp_path):
 
 
 def test_decoder_only_catalog_tokens_are_checked_against_the_tokenizer(tmp_path):
-    from xrec.sid_vocab import SidLayout
+    from xrec.catalog.sid_vocab import SidLayout
 
     directory = write_random_model(tmp_path / "sid", "qwen3-sid-test", seed=1, num_items=50)
     layout = SidLayout(num_base_tokens=512, codebook_size=16)

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from xrec.catalog import ItemCatalog
-from xrec.catalog_cli import _name_catalog
-from xrec.catalog_import import _item_ids
-from xrec.catalog_io import CatalogError, read_text, write_extended, write_text
+from xrec.catalog.cli import _name_catalog
+from xrec.catalog.importers import _item_ids
+from xrec.catalog.formats import CatalogError, read_text, write_extended, write_text
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -136,7 +136,7 @@ def test_naming_the_catalog_without_a_tokenizer_config_creates_one(tmp_path):
 def test_catalog_cli_options():
     import argparse
 
-    from xrec.catalog_cli import add_catalog_parser
+    from xrec.catalog.cli import add_catalog_parser
 
     parser = argparse.ArgumentParser(prog="xrec")
     add_catalog_parser(parser.add_subparsers(dest="command"))
@@ -154,7 +154,7 @@ def test_catalog_cli_options():
 
 @pytest.fixture(scope="module")
 def sid_tokenizer(tmp_path_factory):
-    from xrec.sid_vocab import SidLayout, write_sid_tokenizer
+    from xrec.catalog.sid_vocab import SidLayout, write_sid_tokenizer
     from xrec.tokenizer import PromptTokenizer
 
     layout = SidLayout(num_base_tokens=512, codebook_size=16)
@@ -164,7 +164,7 @@ def sid_tokenizer(tmp_path_factory):
 
 
 def test_sid2pid_codebook_and_key_bounds_are_inclusive(tmp_path, sid_tokenizer):
-    from xrec.catalog_import import MAX_CODEBOOK_SIZE, import_sid2pid
+    from xrec.catalog.importers import MAX_CODEBOOK_SIZE, import_sid2pid
 
     tokenizer, layout = sid_tokenizer
     path = tmp_path / "s.json"
@@ -183,7 +183,7 @@ def test_sid2pid_codebook_and_key_bounds_are_inclusive(tmp_path, sid_tokenizer):
 
 
 def test_sid2pid_tokens_must_be_inside_the_vocabulary(tmp_path, sid_tokenizer):
-    from xrec.catalog_import import import_sid2pid
+    from xrec.catalog.importers import import_sid2pid
 
     tokenizer, layout = sid_tokenizer
     path = tmp_path / "s.json"
@@ -196,7 +196,7 @@ def test_sid2pid_tokens_must_be_inside_the_vocabulary(tmp_path, sid_tokenizer):
 
 
 def test_sid2pid_names_the_key_that_is_not_a_number_after_valid_ones(tmp_path, sid_tokenizer):
-    from xrec.catalog_import import import_sid2pid
+    from xrec.catalog.importers import import_sid2pid
 
     tokenizer, layout = sid_tokenizer
     path = tmp_path / "s.json"

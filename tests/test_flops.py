@@ -1,4 +1,4 @@
-"""The roofline's FLOP count (xrec.bench.flops) against counts it did not make.
+"""The roofline's FLOP count (xrec.bench.lib.flops) against counts it did not make.
 
 torch's FlopCounterMode counts the GEMMs a call really runs (linear layers, matmuls;
 not CPU scaled_dot_product_attention): over xrec's encoder, cross K/V, decoder prefix,
@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from xrec.bench.flops import SearchShape, search_flops, search_terms
+from xrec.bench.lib.flops import SearchShape, search_flops, search_terms
 from xrec.config import MODEL_SIZES
 from xrec.model.inputs import ModelInputs
 from xrec.model.registry import model_class
@@ -89,7 +89,7 @@ def test_decoder_only_gemms_are_the_formula(config):
 @torch.inference_mode()
 def test_encoder_attention_term_is_what_hf_t5_computes():
     transformers = pytest.importorskip("transformers")
-    from xrec.hf_models import hf_t5_config
+    from xrec.realdata.train.hf_models import hf_t5_config
 
     config = MODEL_SIZES["tiny"].replace(num_kv_heads=4, decoder_num_kv_heads=4)
     hf_config = hf_t5_config(config)

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from xrec.data.metrics import metrics_table, ranking_metrics, remove_seen
+from xrec.realdata.data.metrics import metrics_table, ranking_metrics, remove_seen
 
 RANKED = np.array([[7, 1, 2, 3, 4],      # target 7 at rank 0
                    [0, 1, 9, 3, 4],      # target 9 at rank 2

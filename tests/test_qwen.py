@@ -255,7 +255,7 @@ def test_unknown_model_type_is_refused(models, tmp_path):
 
 def test_catalog_tokens_the_tokenizer_does_not_know_are_refused(tmp_path):
     from xrec.demo import write_random_model
-    from xrec.sid_vocab import SidLayout
+    from xrec.catalog.sid_vocab import SidLayout
 
     directory = write_random_model(tmp_path / "sid", "qwen3-sid-test", seed=1, num_items=50)
     layout = SidLayout(num_base_tokens=512, codebook_size=16)

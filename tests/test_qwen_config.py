@@ -9,7 +9,7 @@ import json
 import pytest
 
 from xrec.config import MODEL_SIZES, model_config_from_dict, read_model_config
-from xrec.qwen_config import QwenConfig
+from xrec.config.qwen import QwenConfig
 
 transformers = pytest.importorskip("transformers")
 

@@ -5,8 +5,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from xrec.data.interactions import Interactions, Split  # noqa: E402
-from xrec.train.sasrec import SASRecConfig, SASRecModel, rank_sasrec, train_sasrec  # noqa: E402
+from xrec.realdata.data.interactions import Interactions, Split  # noqa: E402
+from xrec.realdata.train.sasrec import SASRecConfig, SASRecModel, rank_sasrec, train_sasrec  # noqa: E402
 
 NUM_ITEMS = 30
 
@@ -113,7 +113,7 @@ def test_config_rejects_bad_values(field, value):
 
 
 def test_chunked_cross_entropy_matches_torch():
-    from xrec.train.sasrec import _SoftmaxCrossEntropy
+    from xrec.realdata.train.sasrec import _SoftmaxCrossEntropy
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(37, 8, generator=gen, requires_grad=True)
     weight = torch.randn(11, 8, generator=gen, requires_grad=True)

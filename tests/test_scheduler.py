@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from xrec.engine.scheduler import BatchLimits, FixedStepsScheduler, ScheduledRequest
-from xrec.engine.requests import BatchBuilder
+from xrec.engine.requests import BatchBuilder, BatchReport
 from xrec.errors import (DeadlineExceeded, Internal, ResourceExhausted, Unavailable,
                          XrecError)
 
@@ -29,8 +29,18 @@ WAIT_S = float(os.environ.get("XREC_TEST_WAIT_S", 5.0))
 
 
 def workspace_bytes(batch):
-    """Fake workspace estimate: grows with every request, like the executor's."""
+    """Fake workspace estimate: grows with every request, like a catalog's."""
     return sum(request.num_tokens * request.beam_width for request in batch)
+
+
+class FakeCatalog:
+    """The catalog batches run on, as the scheduler sees it: a workspace estimate."""
+
+    def batch_bytes(self, batch):
+        return workspace_bytes(batch)
+
+
+CATALOG = FakeCatalog()
 
 
 def make_limits(**overrides) -> BatchLimits:
@@ -43,7 +53,7 @@ def make_limits(**overrides) -> BatchLimits:
 def make_request(request_id, num_tokens=1, beam_width=1, deadline=None, future=None):
     extra = {"future": future} if future is not None else {}
     return ScheduledRequest(request_id, num_tokens, beam_width, num_results=beam_width,
-                            payload=None, deadline=deadline, **extra)
+                            request=None, deadline=deadline, **extra)
 
 
 def eventually(predicate) -> None:
@@ -101,14 +111,15 @@ class CountingFuture(Future):
 
 
 class FakeExecutor:
-    """Runs launched batches on a pool of worker threads and calls batch_done() after each.
+    """Runs launched batches on a pool of worker threads and reports each through finish().
 
     A request is answered with its request_id, or the whole batch fails with Internal
     when one of its ids starts with "fail". While `gate` is clear, batches are held.
     """
 
-    def __init__(self, num_workers: int = 4):
+    def __init__(self, num_workers: int = 4, clock=time.monotonic):
         self.scheduler: FixedStepsScheduler | None = None
+        self.clock = clock   # the scheduler's: a batch finishes "now" on its time base
         self.gate = threading.Event()
         self.gate.set()
         self.cond = threading.Condition()
@@ -122,26 +133,28 @@ class FakeExecutor:
             worker.start()
 
     def launch(self, batch):
+        """The fake computes a batch in no time: its answers are ready at launch (the
+        scheduler's clock then); `gate` only holds their delivery."""
         with self.cond:
-            self.batches.append(list(batch))
+            self.batches.append(list(batch.requests))
             self.num_in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.num_in_flight)
             self.cond.notify_all()
-        self._batch_queue.put(batch)
+        self._batch_queue.put((batch, self.clock()))
 
     def _work(self):
-        while (batch := self._batch_queue.get()) is not None:
+        while (item := self._batch_queue.get()) is not None:
+            batch, finished_at = item
             self.gate.wait()
-            is_failed = any(request.request_id.startswith("fail") for request in batch)
-            for request in batch:
-                if is_failed:
-                    request.fail(Internal("injected executor failure"))
-                else:
-                    request.answer(request.request_id)
-            with self.cond:  # before batch_done(): the scheduler may launch at once
+            ids = tuple(request.request_id for request in batch.requests)
+            is_failed = any(request_id.startswith("fail") for request_id in ids)
+            report = BatchReport(len(ids), batch.num_beams, 0.0, (0.0,) * len(ids),
+                                 finished_at, () if is_failed else ids,
+                                 Internal("injected executor failure") if is_failed else None)
+            with self.cond:  # before finish(): the scheduler may launch at once
                 self.num_in_flight -= 1
                 self.cond.notify_all()
-            self.scheduler.batch_done()
+            self.scheduler.finish(batch, report)
 
     def wait_until(self, predicate) -> None:
         with self.cond:
@@ -164,8 +177,8 @@ def make_scheduler():
     made = []
 
     def make(limits, *, launch=None, clock=time.monotonic, is_started=True):
-        executor = FakeExecutor()
-        scheduler = FixedStepsScheduler(limits, launch or executor.launch, workspace_bytes, clock)
+        executor = FakeExecutor(clock=clock)
+        scheduler = FixedStepsScheduler(limits, launch or executor.launch, lambda: CATALOG, clock)
         executor.scheduler = scheduler
         made.append((scheduler, executor))
         if is_started:
@@ -338,6 +351,49 @@ def test_deadline_passing_while_waiting_fails_with_deadline_exceeded(make_schedu
     assert "expiring" not in executor.launched_ids()
 
 
+def launched_batch(make_scheduler, requests):
+    """Submit `requests` (one batch's worth) and return the scheduler and the batch it
+    launched; nothing runs it: the test reports it through finish()."""
+    launched: queue.SimpleQueue = queue.SimpleQueue()
+    scheduler, _ = make_scheduler(make_limits(), launch=launched.put, clock=FakeClock(),
+                                  is_started=False)
+    scheduler.submit_many(requests)
+    scheduler.start()
+    return scheduler, launched.get(timeout=WAIT_S)
+
+
+@pytest.mark.parametrize("finished_at, is_late", [(10.0, False), (10.001, True)],
+                         ids=["at-the-deadline", "past-it"])
+def test_a_batch_that_finished_past_a_deadline_answers_deadline_exceeded(make_scheduler,
+                                                                         finished_at, is_late):
+    """finish() answers from the batch's report: on time is up to and including the
+    deadline; the slot is freed whatever the answers."""
+    request, other = make_request("timed", deadline=10.0), make_request("untimed")
+    scheduler, batch = launched_batch(make_scheduler, [request, other])
+    assert batch.requests == (request, other)
+    scheduler.finish(batch, BatchReport(2, 2, 0.5, (0.0, 0.0), finished_at, ("a", "b")))
+    if is_late:
+        error = request.future.exception(0)
+        assert isinstance(error, DeadlineExceeded) and "1.0 ms after its deadline" in str(error)
+        assert error.request_id == "timed"
+    else:
+        assert request.future.result(0) == "a"
+    assert other.future.result(0) == "b"
+    assert scheduler.num_running_batches == 0
+
+
+def test_a_failed_batch_fails_each_request_with_its_own_error(make_scheduler):
+    requests = [make_request("x"), make_request("y")]
+    scheduler, batch = launched_batch(make_scheduler, requests)
+    scheduler.finish(batch, BatchReport(2, 2, 0.1, (0.0, 0.0), 0.0,
+                                        error=Internal("batch failed: boom")))
+    errors = [r.future.exception(0) for r in requests]
+    assert [type(e) for e in errors] == [Internal, Internal] and errors[0] is not errors[1]
+    assert [e.request_id for e in errors] == ["x", "y"]
+    assert all("boom" in str(e) for e in errors)
+    assert scheduler.num_running_batches == 0
+
+
 @pytest.mark.parametrize("deadline, alive_deadline", [(1.0, 9.0), (5.0, 5.5)],
                          ids=["already-expired", "deadline-is-now"])
 def test_request_at_or_past_its_deadline_is_never_launched(make_scheduler, deadline,
@@ -423,8 +479,8 @@ def test_a_request_that_fills_a_budget_exactly_fits_an_empty_batch(num_tokens, b
     request = make_request("exact", num_tokens, beam_width)
     assert workspace_bytes([request]) == num_bytes
     assert limits.why_too_big(request, num_bytes) is None
-    builder = BatchBuilder(limits)
-    assert builder.try_add(request, workspace_bytes)
+    builder = BatchBuilder(limits, CATALOG)
+    assert builder.try_add(request)
     assert (builder.num_tokens, builder.num_beams) == (num_tokens, beam_width)
     one_more = make_request("one-more", num_tokens + 1, beam_width + 1)
     assert limits.why_too_big(one_more, num_bytes + 1) is not None
@@ -438,9 +494,9 @@ def test_requests_that_sum_to_a_budget_exactly_share_a_batch(budget):
              "bytes": [(10, 3), (10, 3), (1, 1)], "seqs": [(1, 1)] * 5}[budget]
     if budget == "bytes":  # 30 + 30 workspace bytes: exactly the budget
         limits = make_limits(max_workspace_bytes=60)
-    builder = BatchBuilder(limits)
+    builder = BatchBuilder(limits, CATALOG)
     requests = [make_request(f"r{i}", *size) for i, size in enumerate(sizes)]
-    added = [builder.try_add(request, workspace_bytes) for request in requests]
+    added = [builder.try_add(request) for request in requests]
     assert added == [True] * (len(sizes) - 1) + [False]
     assert builder.requests == requests[:-1]
     assert (builder.num_tokens, builder.num_beams) == (
@@ -651,12 +707,12 @@ def test_every_request_is_answered_exactly_once(specs, max_concurrency, max_seqs
     attempted: list[str] = []  # every request handed to launch(), raising or not
 
     def launch(batch):
-        attempted.extend(request.request_id for request in batch)  # only the loop calls this
-        if any(request.request_id.startswith("launchfail") for request in batch):
+        attempted.extend(request.request_id for request in batch.requests)  # only the loop
+        if any(request.request_id.startswith("launchfail") for request in batch.requests):
             raise RuntimeError("injected launch failure")
         executor.launch(batch)
 
-    scheduler = FixedStepsScheduler(limits, launch, workspace_bytes)
+    scheduler = FixedStepsScheduler(limits, launch, lambda: CATALOG)
     executor.scheduler = scheduler
     requests = [make_request(f"{kind}-{i}", num_tokens, beam_width, future=CountingFuture())
                 for i, (num_tokens, beam_width, kind) in enumerate(specs)]

@@ -86,7 +86,7 @@ class Gate:
         self.release, self.entered = threading.Event(), threading.Event()
 
     def __call__(self, batch) -> None:
-        ids = [r.request_id for r in batch]
+        ids = [r.request_id for r in batch.requests]
         if any(i.startswith("boom") for i in ids):
             raise RuntimeError("injected fault")
         if any(i.startswith("slow") for i in ids):

@@ -11,15 +11,15 @@ import pytest
 pytest.importorskip("sklearn")
 pytest.importorskip("scipy")
 
-import xrec.data  # noqa: E402
+import xrec.realdata.data  # noqa: E402
 from xrec.catalog import ItemCatalog  # noqa: E402
-from xrec.data.interactions import DataError, Interactions, Split  # noqa: E402
-from xrec.sid import build as sid_build  # noqa: E402
-from xrec.sid import embeddings as sid_embeddings  # noqa: E402
-from xrec.sid.build import build_sid_dir, build_sids, sid_layout, write_sid_dir  # noqa: E402
-from xrec.sid.cli import add_sid_parser  # noqa: E402
-from xrec.sid.embeddings import interaction_embeddings, load_embeddings  # noqa: E402
-from xrec.sid.kmeans import residual_kmeans  # noqa: E402
+from xrec.realdata.data.interactions import DataError, Interactions, Split  # noqa: E402
+from xrec.realdata.sid import build as sid_build  # noqa: E402
+from xrec.realdata.sid import embeddings as sid_embeddings  # noqa: E402
+from xrec.realdata.sid.build import build_sid_dir, build_sids, sid_layout, write_sid_dir  # noqa: E402
+from xrec.realdata.sid.cli import add_sid_parser  # noqa: E402
+from xrec.realdata.sid.embeddings import interaction_embeddings, load_embeddings  # noqa: E402
+from xrec.realdata.sid.kmeans import residual_kmeans  # noqa: E402
 
 NUM_ITEMS_PER_GROUP, NUM_USERS_PER_GROUP, ITEMS_PER_USER = 30, 20, 15
 LONELY = "m999"  # met once, as a user's last (test) item: absent from training
@@ -247,9 +247,9 @@ def test_build_sid_dir_from_file_and_svd(tmp_path):
 
 
 def test_cli_sid_build(tmp_path, monkeypatch, capsys):
-    # the real loaders live in xrec.data; the command imports them when it runs
-    monkeypatch.setattr(xrec.data, "load_dataset", lambda source: SPLIT.data, raising=False)
-    monkeypatch.setattr(xrec.data, "leave_one_out", lambda data: SPLIT, raising=False)
+    # the real loaders live in xrec.realdata.data; the command imports them when it runs
+    monkeypatch.setattr(xrec.realdata.data, "load_dataset", lambda source: SPLIT.data, raising=False)
+    monkeypatch.setattr(xrec.realdata.data, "leave_one_out", lambda data: SPLIT, raising=False)
     monkeypatch.setenv("XREC_HOME", str(tmp_path / "home"))
     parser = argparse.ArgumentParser(prog="xrec")
     add_sid_parser(parser.add_subparsers(dest="command"))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from xrec.errors import InvalidArgument
-from xrec.sid_vocab import (QWEN3_SPECIAL_TOKENS, SidLayout, build_sid_tokenizer,
+from xrec.catalog.sid_vocab import (QWEN3_SPECIAL_TOKENS, SidLayout, build_sid_tokenizer,
                             random_sid_catalog, write_sid_tokenizer)
 from xrec.tokenizer import PromptTokenizer
 

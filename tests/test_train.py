@@ -16,16 +16,16 @@ import pytest
 import torch
 
 from xrec import Engine, RecRequest
-from xrec.data import DataError, Interactions, leave_one_out
-from xrec.data.baselines import rank_baseline
-from xrec.data.metrics import ranking_metrics
-from xrec.evaluate.generative import GenerativeRanker
-from xrec.evaluate.run import EvalOptions, evaluate
-from xrec.sid.build import build_sid_dir
-from xrec.train.models import TrainableModel
-from xrec.train.options import TrainOptions
-from xrec.train.sequences import SidVocabulary, prompts
-from xrec.train.trainer import train
+from xrec.realdata.data import DataError, Interactions, leave_one_out
+from xrec.realdata.data.baselines import rank_baseline
+from xrec.realdata.data.metrics import ranking_metrics
+from xrec.realdata.ranking import GenerativeRanker
+from xrec.realdata.evaluate.run import EvalOptions, evaluate
+from xrec.realdata.sid.build import build_sid_dir
+from xrec.realdata.train.models import TrainableModel
+from xrec.realdata.train.options import TrainOptions
+from xrec.realdata.sequences import SidVocabulary, prompts
+from xrec.realdata.train.trainer import train
 
 NUM_ITEMS, NUM_USERS = 40, 150
 SMALL = dict(hidden=32, heads=2, layers=1, max_items=8, batch_size=16, lr=1e-2,
@@ -151,7 +151,7 @@ def test_killed_run_resumes_where_it_stopped(split, sid_dir, tmp_path):
     out = tmp_path / "killed"
     script = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
               f"from test_train import walk_interactions, _train\n"
-              f"from xrec.data import leave_one_out\n"
+              f"from xrec.realdata.data import leave_one_out\n"
               f"from pathlib import Path\n"
               f"_train(leave_one_out(walk_interactions()), Path({str(sid_dir)!r}), "
               f"Path({str(out)!r}), 'qwen3', epochs=3)\n")

@@ -7,10 +7,11 @@ import argparse
 import json
 import logging
 import sys
-from dataclasses import fields
-from typing import Any, Sequence
+from typing import Sequence
 
 from xrec.config import MODEL_SIZES, EngineOptions
+from xrec.config.engine import parse_generation_prefix
+from xrec.demo import model_dir_or_demo
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--embedding", help=".npy file holding a [L, d_model] float32 array")
     source.add_argument("--prompt", help="prompt text (models with a tokenizer.json)")
     source.add_argument("--chat", help="one user chat message (models with a chat template)")
-    rec.add_argument("--generation-prefix", type=_prefix, help="decoder-only models: appended to "
+    rec.add_argument("--generation-prefix", type=parse_generation_prefix, help="decoder-only models: appended to "
                      "the prompt, text or a JSON list of ids (OpenOneRec: '<|sid_begin|>')")
     rec.add_argument("--beam-width", type=int, default=128)
     rec.add_argument("--top-n", type=int, default=10, help="rows to print")
@@ -85,19 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="an idle connection is closed after this long (default 5)")
     limits.add_argument("--max-connections", type=int, default=None,
                         help="open connections; above it 503 and closed (default 1024)")
-    add_engine_options(serve)
+    EngineOptions.add_cli_args(serve)
     from xrec.scale.cli import add_batch_parser, add_serve_ray_flags   # no torch, no ray
     add_serve_ray_flags(serve)
     serve.set_defaults(run=_serve)
 
-    from xrec.catalog_cli import add_catalog_parser
+    from xrec.catalog.cli import add_catalog_parser
     add_catalog_parser(sub)
     add_batch_parser(sub)
     # the real-data path (`pip install xrec[train]`); the serving path never imports it
-    from xrec.demo_movielens import add_demo_parser
-    from xrec.evaluate.cli import add_eval_parser
-    from xrec.sid.cli import add_sid_parser
-    from xrec.train.cli import add_train_parser
+    from xrec.realdata.movielens import add_demo_parser
+    from xrec.realdata.evaluate.cli import add_eval_parser
+    from xrec.realdata.sid.cli import add_sid_parser
+    from xrec.realdata.train.cli import add_train_parser
     add_sid_parser(sub)
     add_train_parser(sub)
     add_eval_parser(sub)
@@ -108,59 +109,6 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (make, rec, serve):
         p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     return parser
-
-
-def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    """One flag per `EngineOptions` field, same name with dashes."""
-    group = parser.add_argument_group("engine options")
-    for f in fields(EngineOptions):
-        flag = "--" + f.name.replace("_", "-")
-        if f.name == "generation_prefix":
-            group.add_argument(flag, type=_prefix, default=None, metavar="TEXT|[IDS]",
-                               help="decoder-only models: appended to every prompt, as text "
-                               "(e.g. '<|sid_begin|>') or a JSON list of token ids")
-        elif f.type in ("bool | None", "bool"):
-            group.add_argument(flag, type=_bool, default=None, metavar="true|false")
-        elif "int" in str(f.type):
-            group.add_argument(flag, type=int, default=None)
-        elif "float" in str(f.type):
-            group.add_argument(flag, type=float, default=None)
-        else:
-            group.add_argument(flag, default=None)
-
-
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine options given on the command line (unset flags keep the defaults)."""
-    return {f.name: getattr(args, f.name) for f in fields(EngineOptions)
-            if getattr(args, f.name, None) is not None}
-
-
-def _prefix(text: str) -> str | tuple[int, ...]:
-    """Text, or a JSON list of token ids ("[151669]")."""
-    if not text.startswith("["):
-        return text
-    try:
-        ids = json.loads(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected text or a JSON list of token ids, got {text!r}") from None
-    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-        raise argparse.ArgumentTypeError(f"expected a JSON list of token ids, got {text!r}")
-    return tuple(ids)
-
-
-def _bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def _model_dir(args: argparse.Namespace) -> str:
-    if args.model:
-        return args.model
-    from xrec.demo import demo_model_dir
-    return str(demo_model_dir())
 
 
 def _make_model(args: argparse.Namespace) -> int:
@@ -176,7 +124,7 @@ def _recommend(args: argparse.Namespace) -> int:
     from xrec import Engine, RecRequest
     from xrec.errors import XrecError
 
-    model_dir = _model_dir(args)
+    model_dir = model_dir_or_demo(args.model)
     search = dict(beam_width=args.beam_width, normalize=args.normalize)
     if args.embedding:
         request = RecRequest(sparse_embedding=np.load(args.embedding), **search)
@@ -217,9 +165,11 @@ def _recommend(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     if args.ray:   # the same app, one Engine per Ray Serve replica (xrec.scale.serve_app)
         from xrec.scale.cli import run_serve_ray
-        return run_serve_ray(args, _model_dir(args), engine_options(args))
+        return run_serve_ray(args, model_dir_or_demo(args.model),
+                             EngineOptions.kwargs_from_cli(args))
     from xrec.server.run import serve
-    return serve(args, _model_dir(args), engine_options(args), owns_process=True)
+    return serve(args, model_dir_or_demo(args.model), EngineOptions.kwargs_from_cli(args),
+                 owns_process=True)
 
 
 if __name__ == "__main__":

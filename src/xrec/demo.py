@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from xrec.config import MODEL_SIZES
-from xrec.files import atomic_directory
+from xrec.utils.files import atomic_directory, xrec_home
 
 DEMO_SIZE, DEMO_SEED, DEMO_ITEMS = "onerec-0.015b", 0, 100_000
 CATALOG_FILE = "items.bin"
@@ -46,7 +46,7 @@ def write_random_model(out_dir: str | os.PathLike, size: str, seed: int = 0, num
             random_catalog(num_items, config.vocab_size, seed).write(out / CATALOG_FILE)
             (out / "tokenizer_config.json").write_text(json.dumps({"vocab_file": CATALOG_FILE}) + "\n")
         return out
-    from xrec.sid_vocab import SidLayout, random_sid_catalog, write_sid_tokenizer
+    from xrec.catalog.sid_vocab import SidLayout, random_sid_catalog, write_sid_tokenizer
 
     num_base, codebook = SID_VOCABULARIES[size]
     layout = SidLayout(num_base_tokens=num_base, codebook_size=codebook)
@@ -59,10 +59,6 @@ def write_random_model(out_dir: str | os.PathLike, size: str, seed: int = 0, num
     return out
 
 
-def xrec_home() -> Path:
-    return Path(os.environ.get("XREC_HOME") or Path.home() / ".cache" / "xrec")
-
-
 def demo_model_dir(progress: bool = True) -> Path:
     """The demo model's directory, written on first use (atomically: temp dir + rename)."""
     target = xrec_home() / "models" / f"demo-{DEMO_SIZE}-seed{DEMO_SEED}-{DEMO_ITEMS}"
@@ -71,3 +67,8 @@ def demo_model_dir(progress: bool = True) -> Path:
     with atomic_directory(target) as tmp:
         write_random_model(tmp, DEMO_SIZE, DEMO_SEED, DEMO_ITEMS, progress=progress)
     return target
+
+
+def model_dir_or_demo(model_dir: str | None) -> str:
+    """`model_dir`, or the demo model's directory (written on first use) when it is None."""
+    return model_dir if model_dir else str(demo_model_dir())

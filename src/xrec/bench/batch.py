@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from xrec.bench.cli import model_dir_of
-from xrec.bench.common import environment, environment_markdown, markdown_table, output_paths, \
+from xrec.bench.lib.args import model_dir_of
+from xrec.bench.lib.common import environment, environment_markdown, markdown_table, output_paths, \
     write_outputs
 
 CONTENDERS = ("engine", "batch", "ray")

@@ -22,11 +22,11 @@ import re
 import statistics
 import time
 
-from xrec.bench.cli import model_dir_of, progress_bar
-from xrec.bench.common import (environment, environment_markdown, markdown_table,
+from xrec.bench.lib.args import model_dir_of, progress_bar
+from xrec.bench.lib.common import (environment, environment_markdown, markdown_table,
                                output_paths, pyplot, write_outputs)
-from xrec.bench.models import make_workload
-from xrec.fresh_thread import in_fresh_thread
+from xrec.bench.lib.models import make_workload
+from xrec.utils.fresh_thread import in_fresh_thread
 
 # (file, function) of the innermost xrec frame -> part; "{r}" takes the call's round
 PARTS = {

@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from xrec.bench.models import BENCH_SIZES, QUICK_SIZE
+from xrec.bench.lib.models import BENCH_SIZES, QUICK_SIZE
 
 # family -> (default size, --quick size)
 FAMILY_SIZES = {"onerec": ("onerec-0.015b", QUICK_SIZE), "qwen3": ("qwen3-sid-tiny", "qwen3-sid-test")}
@@ -236,26 +236,6 @@ def _run(command: str):
         import importlib
         return importlib.import_module(f"xrec.bench.{command}").run(args)
     return run
-
-
-def slow_repeats_of(args: argparse.Namespace) -> int:
-    """Measured runs of the slow contenders (hf, naive): --hf-repeats, else --repeats up to 3."""
-    return args.hf_repeats if args.hf_repeats is not None else min(args.repeats, 3)
-
-
-def model_dir_of(args: argparse.Namespace):
-    """--model, or the cached random model of --size/--seed/--items."""
-    from pathlib import Path
-
-    from xrec.bench.models import model_dir
-    if args.model:
-        return Path(args.model)
-    return model_dir(args.size, args.seed, args.items)
-
-
-def progress_bar(args: argparse.Namespace, total: int, desc: str):
-    from tqdm import tqdm
-    return tqdm(total=total, desc=desc, unit="run", disable=args.no_progress, file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,8 @@ import threading
 import time
 from typing import Any
 
-from xrec.bench.cli import model_dir_of
-from xrec.bench.common import (environment, environment_markdown, markdown_table,
+from xrec.bench.lib.args import model_dir_of
+from xrec.bench.lib.common import (environment, environment_markdown, markdown_table,
                                output_paths, write_outputs)
 
 CONDITIONS = ("alone", "main-op", "host-loop")
@@ -122,7 +122,7 @@ def measure(setting: dict) -> dict:
     import torch
 
     from xrec import Engine, RecRequest
-    from xrec.bench.models import make_workload
+    from xrec.bench.lib.models import make_workload
 
     if setting["condition"] == "transport":
         return _transport(setting)
@@ -162,7 +162,7 @@ def _transport(setting: dict) -> dict:
     import numpy as np
 
     from xrec import Engine, RecRequest
-    from xrec.fresh_thread import in_fresh_thread
+    from xrec.utils.fresh_thread import in_fresh_thread
 
     options = {"num_threads": setting["threads"]} if setting["threads"] else {}
     with in_fresh_thread(lambda: Engine.from_pretrained(setting["model_dir"], isolation="thread",

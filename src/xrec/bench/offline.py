@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 
-from xrec.bench.cli import progress_bar, slow_repeats_of
-from xrec.bench.common import (environment, environment_markdown, markdown_table,
+from xrec.bench.lib.args import progress_bar, slow_repeats_of
+from xrec.bench.lib.common import (environment, environment_markdown, markdown_table,
                                output_paths, pyplot, write_outputs)
-from xrec.bench.models import make_workload
-from xrec.bench.runner import load_for, num_runs, run_point
+from xrec.bench.lib.models import make_workload
+from xrec.bench.lib.runner import load_for, num_runs, run_point
 
 # per family, (W, L, B) -> the speed-up over HF each xrec mode must reach:
 # onerec: spec/quality.md, "Targets"; qwen3: issue 9 (qwen3-sid-tiny, 100k items)

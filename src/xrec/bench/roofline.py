@@ -28,13 +28,13 @@ import statistics
 import time
 
 from xrec.bench.breakdown import profile_step
-from xrec.bench.cli import progress_bar
-from xrec.bench.common import (environment, environment_markdown, markdown_table,
+from xrec.bench.lib.args import progress_bar
+from xrec.bench.lib.common import (environment, environment_markdown, markdown_table,
                                output_paths, pyplot, write_outputs)
-from xrec.bench.flops import COMPONENTS, SearchShape, fan_out, search_flops
-from xrec.bench.models import make_workload, model_dir
-from xrec.bench.peak import Gemm, peaks_in_fresh_process
-from xrec.fresh_thread import in_fresh_thread
+from xrec.bench.lib.flops import COMPONENTS, SearchShape, fan_out, search_flops
+from xrec.bench.lib.models import make_workload, model_dir
+from xrec.bench.lib.peak import Gemm, peaks_in_fresh_process
+from xrec.utils.fresh_thread import in_fresh_thread
 
 HOST = "host"
 # (file, function) of the innermost xrec frame -> component

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 
-from xrec.bench.cli import progress_bar, slow_repeats_of
-from xrec.bench.common import (environment, environment_markdown, markdown_table,
+from xrec.bench.lib.args import progress_bar, slow_repeats_of
+from xrec.bench.lib.common import (environment, environment_markdown, markdown_table,
                                output_paths, pyplot, write_outputs)
-from xrec.bench.models import make_workload
-from xrec.bench.runner import load_for, num_runs, run_point
-from xrec.fresh_thread import in_fresh_thread
+from xrec.bench.lib.models import make_workload
+from xrec.bench.lib.runner import load_for, num_runs, run_point
+from xrec.utils.fresh_thread import in_fresh_thread
 
 MEMORY_TARGET = (512, 1024, 1)     # W, L, B
 AXES = ("beam_width", "input_len", "num_requests")

@@ -31,11 +31,11 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from xrec.bench.cli import model_dir_of, progress_bar
-from xrec.bench.rawhttp import Connection, burst
-from xrec.bench.common import (environment, environment_markdown, markdown_table,
+from xrec.bench.lib.args import model_dir_of, progress_bar
+from xrec.bench.lib.rawhttp import Connection, burst
+from xrec.bench.lib.common import (environment, environment_markdown, markdown_table,
                                output_paths, percentile, pyplot, write_outputs)
-from xrec.fresh_thread import in_fresh_thread
+from xrec.utils.fresh_thread import in_fresh_thread
 
 ROUTE = "/v1/rec/completions"
 

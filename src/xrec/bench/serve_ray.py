@@ -26,10 +26,10 @@ import statistics
 import time
 from pathlib import Path
 
-from xrec.bench.cli import model_dir_of
-from xrec.bench.common import (environment, environment_markdown, markdown_table, output_paths,
+from xrec.bench.lib.args import model_dir_of
+from xrec.bench.lib.common import (environment, environment_markdown, markdown_table, output_paths,
                                percentile, write_outputs)
-from xrec.bench.rawhttp import Connection
+from xrec.bench.lib.rawhttp import Connection
 from xrec.bench.serve import ROUTE, free_port, payloads, server
 
 MIB = 1 << 20

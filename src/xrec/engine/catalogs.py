@@ -21,17 +21,19 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
-from xrec.api_types import CatalogVersion
+from xrec.api_types import CatalogVersion, ValidRequest
 from xrec.catalog import ItemCatalog
-from xrec.catalog_io import first_bad_token
+from xrec.catalog.formats import first_bad_token
+from xrec.engine.requests import ScheduledRequest
 from xrec.errors import NotFound, Unavailable
 from xrec.model.family import RecModel
 from xrec.search.step import RecStep
-from xrec.search.workspace import WorkspaceModel
+from xrec.search.workspace import BatchShape, WorkspaceModel
+from xrec.tokenizer import PromptTokenizer
 
 RELEASE_WAIT_S = 30.0   # how long a load waits for batches still running on the previous catalog
 
@@ -49,6 +51,11 @@ class ServedCatalog:
     @property
     def content_hash(self) -> str | None:
         return None if self.version is None else self.version.content_hash
+
+    def batch_bytes(self, requests: Sequence[ScheduledRequest[ValidRequest]]) -> int:
+        """The workspace these requests need as one batch on this catalog (the scheduler's
+        admission figure: `BatchCatalog`)."""
+        return self.workspace.batch_bytes(BatchShape.of([r.request for r in requests]))
 
 
 class CatalogSlots:
@@ -103,7 +110,7 @@ class CatalogSlots:
 
 
 def serve_catalog(catalog: ItemCatalog | None, source: str | None, model: RecModel, rounds: int,
-                  is_constrained: bool, tokenizer: Any) -> ServedCatalog:
+                  is_constrained: bool, tokenizer: PromptTokenizer | None) -> ServedCatalog:
     """Everything the pipelines derive from `catalog` (None: free decoding), checked against
     the model, its tokenizer and the engine's `rounds` (`ValueError` naming what does not fit)."""
     config = model.config
@@ -128,7 +135,7 @@ def serve_catalog(catalog: ItemCatalog | None, source: str | None, model: RecMod
     return ServedCatalog(catalog, step, workspace, version)
 
 
-def check_catalog_tokens(catalog: ItemCatalog, tokenizer: Any) -> None:
+def check_catalog_tokens(catalog: ItemCatalog, tokenizer: PromptTokenizer) -> None:
     """Every token of every semantic ID must be one the tokenizer knows (else the catalog was
     built for another vocabulary)."""
     known = tokenizer.known_ids(catalog.vocab_size)                       # [V] bool

@@ -1,36 +1,38 @@
 """Engine: the public entry point. Validates at the edge, owns futures, deadlines, shutdown.
 
-    Engine.submit -> FixedStepsScheduler (budgets, FIFO) -> Executor (pipelines)
-                  -> RecStep -> responses -> the request's future
+    Engine.submit -> FixedStepsScheduler (budgets, FIFO) -> ScheduledBatch -> Executor
+                  (pipelines: RecStep, responses) -> BatchReport -> the scheduler answers
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from xrec.api_types import CatalogVersion, SearchLimits, ValidRequest
 from xrec.catalog import ItemCatalog
-from xrec.config import EngineOptions
+from xrec.config import EngineOptions, FamilyConfig
 from xrec.engine.catalogs import CatalogSlots, ServedCatalog, serve_catalog
-from xrec.engine.executor import BatchReport, Executor
-from xrec.engine.frontend import EngineFrontend
-from xrec.engine.host_memory import retain_freed_memory
-from xrec.engine.requests import BatchLimits, ScheduledRequest
+from xrec.engine.executor import AnswerSettings, EngineBatch, Executor
+from xrec.engine.frontend import EngineFrontend, EngineStats
+from xrec.engine.host import own_process, retain_freed_memory
+from xrec.engine.requests import BatchLimits, BatchReport, ScheduledRequest
+from xrec.engine.responses import ResponseData
 from xrec.engine.scheduler import FixedStepsScheduler
 from xrec.errors import InvalidArgument, Unavailable
 from xrec.model.family import RecModel
 from xrec.model.loader import load_model
 from xrec.search.step import RecStep
-from xrec.search.workspace import BatchShape, WorkspaceModel
+from xrec.search.workspace import WorkspaceModel
+from xrec.tokenizer import PromptTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +54,18 @@ class Engine(EngineFrontend):
     """
 
     def __init__(self, model: RecModel, catalog: ItemCatalog | None, options: EngineOptions,
-                 model_name: str = "xrec", tokenizer: Any = None, answers_as_data: bool = False):
+                 model_name: str = "xrec", tokenizer: PromptTokenizer | None = None,
+                 answers_as_data: bool = False):
         """`tokenizer`: the model directory's `PromptTokenizer` (prompts, chat, result text) or None.
         `answers_as_data`: futures resolve to `ResponseData` (a process-isolated engine's child
-        sends those) instead of `RecResponse`."""
+        sends those) instead of `RecResponse`.
+
+        Nothing process-wide is changed here (the host's process is the host's), except
+        what option `retain_host_memory=True` asks for; a process that exists to serve
+        calls `xrec.engine.host.own_process` once the engine is loaded."""
         self.model, self.options, self.model_name = model, options, model_name
         self.tokenizer = tokenizer
+        self._answers_as_data = answers_as_data
         config = model.config
         device = model.device
         if device.type == "cpu" and options.retain_host_memory:
@@ -78,25 +86,18 @@ class Engine(EngineFrontend):
         self.workspace_per_pipeline = _workspace_budget(model, device, options, num_pipelines)
         total_threads = options.num_threads or torch.get_num_threads()
         threads = max(1, total_threads // num_pipelines) if device.type == "cpu" else None
-        self._report_hooks: list[Any] = []
+        self._report_hooks: list[Callable[[BatchReport], None]] = []
         self.scheduler = FixedStepsScheduler(
             BatchLimits(options.max_seqs_per_batch, options.max_tokens_per_batch,
                         options.max_beams_per_batch, self.workspace_per_pipeline, num_pipelines,
                         options.request_queue_size, options.batch_wait_ms),
-            launch=self._launch, workspace_bytes=self._batch_bytes)
-        self.executor = Executor(model, num_pipelines, options.each_conversion_threshold,
-                                 options.total_conversion_threshold, threads,
-                                 None if tokenizer is None else tokenizer.tokens_text,
-                                 on_batch_done=self.scheduler.batch_done, on_report=self._on_report,
-                                 batch_bytes=self._batch_bytes,
-                                 **({"finish": lambda data: data} if answers_as_data else {}))
+            launch=self._launch, catalog=lambda: self._catalogs.current)
+        answers = AnswerSettings(options.each_conversion_threshold,
+                                 options.total_conversion_threshold,
+                                 None if tokenizer is None else tokenizer.tokens_text)
+        self.executor = Executor(model, num_pipelines, threads, answers, self._batch_done)
         self.num_pipelines = num_pipelines
         self._closed = threading.Event()
-        # The objects of start-up (torch, model, catalog: ~170k) move to the permanent GC
-        # generation so that collections triggered by response building stop rescanning
-        # them: that rescanning was 60% of building 16 x 128 results.
-        gc.collect()
-        gc.freeze()
         self.scheduler.start()
         logger.info("engine ready: %s, %.1fM parameters, %s %s, %d pipeline(s), workspace %.1f MiB "
                     "each, catalog %s, options %s", model_name, config.num_parameters / 1e6, device,
@@ -104,7 +105,8 @@ class Engine(EngineFrontend):
                     catalog, options)
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | os.PathLike, catalog: Any = None,
+    def from_pretrained(cls, model_dir: str | os.PathLike,
+                        catalog: str | os.PathLike | ItemCatalog | None = None,
                         isolation: str = DEFAULT_ISOLATION, **engine_options: Any) -> EngineFrontend:
         """Load `model_dir` (config.json + safetensors, and tokenizer.json when it has one).
         `catalog`: None (the model directory's own, if any), a path, or an `ItemCatalog`.
@@ -136,9 +138,6 @@ class Engine(EngineFrontend):
         return [s.future for s in scheduled]
 
     def hold_wakeups(self) -> None:
-        """Requests submitted until `release_wakeups()` queue without waking the scheduler,
-        so requests accepted one by one but together (an HTTP burst) can share a batch.
-        Holds nest; a hold delays a launch by at most ~50 ms, it never blocks one."""
         self.scheduler.hold_wakeups()
 
     def release_wakeups(self) -> None:
@@ -150,7 +149,7 @@ class Engine(EngineFrontend):
         timeout = valid.timeout_ms or self.options.request_timeout_ms
         deadline = None if timeout is None else time.monotonic() + timeout / 1000.0
         return ScheduledRequest(valid.request_id, valid.input_len + valid.prefix_len,
-                                valid.beam_width, valid.num_results, payload=valid,
+                                valid.beam_width, valid.num_results, request=valid,
                                 deadline=deadline, answer_as_data=as_data)
 
     # ---- the catalog (hot reload: engine/catalogs.py) ---------------------------
@@ -171,12 +170,10 @@ class Engine(EngineFrontend):
 
     @property
     def catalog_version(self) -> CatalogVersion | None:
-        """The current catalog's version (content hash, item count, loaded at), or None."""
         return self._catalogs.current.version
 
     @property
     def previous_catalog_version(self) -> CatalogVersion | None:
-        """The version `restore_catalog()` would bring back, or None."""
         previous = self._catalogs.previous
         return None if previous is None else previous.version
 
@@ -253,27 +250,52 @@ class Engine(EngineFrontend):
                 "workspace_per_pipeline": self.workspace_per_pipeline,
                 "catalog": None if self.catalog is None else str(self.catalog)}
 
-    def add_report_hook(self, hook: Any) -> None:
-        """Call `hook(BatchReport)` after every batch (metrics)."""
+    def own_process(self) -> None:
+        """Take the process-wide settings of a process that exists to serve this engine
+        (glibc's malloc thresholds, a GC freeze: `xrec.engine.host`); never from a host's."""
+        own_process(self.options, self.model.device.type == "cpu")
+
+    def add_report_hook(self, hook: Callable[[BatchReport], None]) -> None:
         self._report_hooks.append(hook)
+
+    def stats(self) -> EngineStats:
+        scheduler, executor = self.scheduler, self.executor
+        return EngineStats(self.num_pipelines, executor.num_busy, scheduler.num_waiting,
+                           scheduler.num_running_batches,
+                           self.workspace_per_pipeline * self.num_pipelines,
+                           executor.workspace_bytes_in_use, self.catalog_version)
 
     # ---- internals -----------------------------------------------------------
 
-    def _launch(self, batch: list[ScheduledRequest]) -> None:
-        self.executor.launch(batch, self._catalogs.current)   # the batch keeps this catalog
+    def _launch(self, batch: EngineBatch) -> None:
+        self.executor.launch(batch)
 
-    def _batch_bytes(self, batch: Sequence[ScheduledRequest]) -> int:
-        return self._catalogs.current.workspace.batch_bytes(BatchShape.of([r.payload for r in batch]))
+    def _batch_done(self, batch: EngineBatch, report: BatchReport[ResponseData]) -> None:
+        """A pipeline finished `batch` (on that pipeline's thread): the scheduler answers its
+        requests and frees its slot, then the hooks see the report."""
+        if not self._answers_as_data:
+            report = _with_responses(batch, report)
+        self.scheduler.finish(batch, report)
+        if self._report_hooks:
+            summary = report.without_answers()
+            for hook in self._report_hooks:
+                hook(summary)
 
-    def _on_report(self, report: BatchReport) -> None:
-        for hook in self._report_hooks:
-            hook(report)
+
+def _with_responses(batch: EngineBatch, report: BatchReport[ResponseData]) -> BatchReport:
+    """The report with a `RecResponse` for each request that asked for one (the others keep
+    their `ResponseData`: the HTTP server writes its JSON from the arrays)."""
+    if not report.is_ok:
+        return report
+    answers = tuple(data if r.answer_as_data else data.to_response()
+                    for r, data in zip(batch.requests, report.answers))
+    return replace(report, answers=answers)
 
 
-def load_parts(model_dir: str | os.PathLike, catalog: Any,
-               options: EngineOptions) -> tuple[RecModel, ItemCatalog | None, EngineOptions, str, Any]:
+def load_parts(model_dir: str | os.PathLike, catalog: str | os.PathLike | ItemCatalog | None,
+               options: EngineOptions,
+               ) -> tuple[RecModel, ItemCatalog | None, EngineOptions, str, PromptTokenizer | None]:
     """What an `Engine` is built from: the model, its catalog, options, name and tokenizer."""
-    from xrec.tokenizer import PromptTokenizer
 
     device = _resolve_device(options.device)
     dtype = getattr(torch, options.dtype) if options.dtype != "auto" else \
@@ -297,7 +319,8 @@ def _resolve_device(name: str) -> torch.device:
     return device
 
 
-def _generation_prefix(options: EngineOptions, config: Any, tokenizer: Any) -> tuple[int, ...]:
+def _generation_prefix(options: EngineOptions, config: FamilyConfig,
+                       tokenizer: PromptTokenizer | None) -> tuple[int, ...]:
     """The ids of option `generation_prefix` (text through the tokenizer, or ids as given)."""
     prefix = options.generation_prefix
     if prefix is None or prefix == "" or prefix == ():

@@ -1,25 +1,54 @@
 """What every engine offers its callers, whichever way it isolates its pipelines.
 
-`EngineFrontend` holds the edge (validation against the engine's `limits`, prompt
-tokenization) and the request API built on two primitives that each engine
-implements: `submit_valid` and `submit_valid_many`.
+`EngineFrontend` is the type the server, `xrec batch` and Ray hold: the edge (validation
+against the engine's `limits`, prompt tokenization), the request API built on two
+primitives each engine implements (`submit_valid`, `submit_valid_many`), the catalog's
+hot reload, and `stats()`, a snapshot of the engine's load (`EngineStats`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
 
-from xrec.api_types import RecRequest, RecResponse, SearchLimits, ValidRequest, validate
+from xrec.api_types import (CatalogVersion, RecRequest, RecResponse, SearchLimits, ValidRequest,
+                            validate)
+from xrec.config import EngineOptions
 from xrec.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from xrec.catalog import ItemCatalog
+    from xrec.engine.requests import BatchReport
+    from xrec.tokenizer import PromptTokenizer
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of an engine's load (what `/metrics` reads), the same for both engine kinds."""
+
+    num_pipelines: int
+    num_pipelines_busy: int
+    num_requests_waiting: int          # submitted, not yet launched or answered
+    num_batches_running: int
+    workspace_bytes_total: int         # the budget of all pipelines
+    workspace_bytes_in_use: int        # the estimate of the batches running now
+    catalog_version: CatalogVersion | None   # the catalog new batches run on
 
 
 class EngineFrontend:
-    """The request API: `submit`, `submit_many`, `recommend`, `recommend_async`."""
+    """The request API (`submit`, `submit_many`, `recommend`, `recommend_async`) and what
+    every engine offers besides: catalog reload, stats, report hooks, close."""
 
     limits: SearchLimits
-    tokenizer: Any
+    options: EngineOptions
+    model_name: str
+    tokenizer: PromptTokenizer | None
+    num_pipelines: int
+    workspace_per_pipeline: int
 
     def submit_valid(self, valid: ValidRequest, as_data: bool = False) -> Future:
         """Queue a request that `validate` returned. `as_data`: the future resolves to the
@@ -33,7 +62,52 @@ class EngineFrontend:
         raise NotImplementedError
 
     def close(self, grace_s: float = 30.0) -> None:
+        """Stop accepting, finish what is queued and running (up to `grace_s`), stop."""
         raise NotImplementedError
+
+    def stats(self) -> EngineStats:
+        raise NotImplementedError
+
+    def hold_wakeups(self) -> None:
+        """Requests submitted until `release_wakeups()` queue without waking the scheduler,
+        so requests accepted one by one but together (an HTTP burst) can share a batch.
+        Holds nest; a hold delays a launch by at most ~50 ms, it never blocks one."""
+        raise NotImplementedError
+
+    def release_wakeups(self) -> None:
+        raise NotImplementedError
+
+    def add_report_hook(self, hook: Callable[[BatchReport], None]) -> None:
+        """Call `hook(report)` after every batch with its sizes and times (metrics)."""
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        """What start-up logs show: limits, options, model, device, sizes (plain values)."""
+        raise NotImplementedError
+
+    # ---- the catalog (hot reload: engine/catalogs.py) ----------------------------
+
+    @property
+    def catalog_version(self) -> CatalogVersion | None:
+        """The current catalog's version (content hash, item count, loaded at), or None."""
+        raise NotImplementedError
+
+    @property
+    def previous_catalog_version(self) -> CatalogVersion | None:
+        """The version `restore_catalog()` would bring back, or None."""
+        raise NotImplementedError
+
+    def load_catalog(self, catalog: str | os.PathLike | ItemCatalog,
+                     extended: bool | None = None) -> CatalogVersion:
+        """Load a catalog file (or an `ItemCatalog`), check it against the model and swap it
+        in; batches already launched finish on the one they started with."""
+        raise NotImplementedError
+
+    def restore_catalog(self) -> CatalogVersion | None:
+        """Make the previous catalog current again; `NotFound` when there is none."""
+        raise NotImplementedError
+
+    # ---- the request API, built on submit_valid / submit_valid_many ---------------
 
     def submit(self, request: RecRequest) -> Future:
         """Validate and queue one request; its future resolves to a `RecResponse` or an

@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from xrec.api_types import ValidRequest
-from xrec.engine.frontend import EngineFrontend
+from xrec.engine.frontend import EngineFrontend, EngineStats
+from xrec.engine.requests import BatchReport
 from xrec.engine.transport import Arena, Region, dumps, loads
 from xrec.errors import Internal, Unavailable
 
@@ -249,7 +250,11 @@ class ProcessEngine(EngineFrontend):
     def release_wakeups(self) -> None:
         self._link.send(("release",))
 
-    def add_report_hook(self, hook: Any) -> None:
+    def stats(self) -> EngineStats:
+        """The child engine's `stats()`."""
+        return self.call("stats")
+
+    def add_report_hook(self, hook: Callable[[BatchReport], None]) -> None:
         """Call `hook(BatchReport)` after every batch (on this engine's receiver thread)."""
         if not self._link.hooks:
             self._link.send(("reports",))

@@ -1,18 +1,25 @@
-"""What the scheduler knows about a request and a batch: sizes, deadline, one future.
+"""What the scheduler and the executor say to each other, as data (no torch, no numpy):
 
-No torch or numpy here: the scheduler is bookkeeping and is tested on a CPU in
-milliseconds. The payload is opaque to the scheduler; the executor reads it.
+    ScheduledRequest   one request: its sizes, deadline and future; the request itself for the executor
+    ScheduledBatch     scheduler -> executor: requests, budgets used, the catalog the batch runs on
+    BatchReport        executor -> scheduler: each request's answer (or the batch's error), times
+
+The scheduler is bookkeeping and is tested on a CPU in milliseconds: it never reads a
+request's content or a catalog's tables, only their sizes (`BatchCatalog.batch_bytes`).
 """
 
 from __future__ import annotations
 
 import math
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Generic, Protocol, TypeVar
 
 from xrec.errors import XrecError
+
+RequestT = TypeVar("RequestT")    # what the executor runs (the engine's: a validated request)
+AnswerT = TypeVar("AnswerT")      # what a request is answered with
 
 
 def _is_int(value: Any) -> bool:
@@ -20,8 +27,9 @@ def _is_int(value: Any) -> bool:
 
 
 @dataclass(eq=False)
-class ScheduledRequest:
-    """One request as the scheduler sees it: sizes, deadline, an opaque payload, one future.
+class ScheduledRequest(Generic[RequestT]):
+    """One request as the scheduler sees it: sizes, deadline, one future, and the request
+    the executor runs (never read by the scheduler).
 
     `deadline` and `enqueued_at` are in the scheduler clock's seconds
     (`time.monotonic()` by default); `deadline=None` means no deadline.
@@ -33,7 +41,7 @@ class ScheduledRequest:
     num_tokens: int          # encoder + decoder-prefix tokens
     beam_width: int
     num_results: int         # N (num_return_sequences)
-    payload: Any
+    request: RequestT
     deadline: float | None = None
     future: Future = field(default_factory=Future)
     enqueued_at: float = 0.0  # set by FixedStepsScheduler.submit()
@@ -128,21 +136,70 @@ class BatchLimits:
         return None
 
 
+class BatchCatalog(Protocol):
+    """What the scheduler asks of the catalog a batch will run on: the workspace its
+    requests need there (bytes; never shrinks when a request is added)."""
+
+    def batch_bytes(self, requests: Sequence[ScheduledRequest]) -> int: ...
+
+
+CatalogT = TypeVar("CatalogT", bound=BatchCatalog)
+
+
+@dataclass(frozen=True, eq=False)
+class ScheduledBatch(Generic[RequestT, CatalogT]):
+    """A batch the scheduler hands the executor: its requests in launch order, the budgets
+    they use, and the catalog it runs on (the one its workspace estimate was made on)."""
+
+    requests: tuple[ScheduledRequest[RequestT], ...]
+    catalog: CatalogT
+    num_tokens: int
+    num_beams: int
+    workspace_bytes: int
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+
+@dataclass(frozen=True)
+class BatchReport(Generic[AnswerT]):
+    """What the executor returns for a finished batch: one answer per request in batch order,
+    or the error that failed the whole batch; its sizes and times (seconds) for the metrics."""
+
+    num_requests: int
+    num_beams: int
+    run_s: float
+    queue_s: tuple[float, ...]
+    finished_at: float       # when the answers were ready (the scheduler clock's seconds)
+    answers: tuple[AnswerT, ...] = ()
+    error: XrecError | None = None
+
+    @property
+    def is_ok(self) -> bool:
+        return self.error is None
+
+    def without_answers(self) -> BatchReport:
+        """The sizes and times alone (what the metrics read)."""
+        return replace(self, answers=())
+
+
 @dataclass
 class BatchBuilder:
-    """A batch being built: its requests so far and the budgets they use."""
+    """A batch being built on one catalog: its requests so far and the budgets they use."""
 
     limits: BatchLimits
+    catalog: BatchCatalog
     requests: list[ScheduledRequest] = field(default_factory=list)
     num_tokens: int = 0
     num_beams: int = 0
+    workspace_bytes: int = 0
 
     @property
     def is_full(self) -> bool:
         return len(self.requests) >= self.limits.max_seqs_per_batch
 
-    def try_add(self, request: ScheduledRequest,
-                workspace_bytes: Callable[[Sequence[ScheduledRequest]], int]) -> bool:
+    def try_add(self, request: ScheduledRequest) -> bool:
         """Add `request` if the batch stays within every budget; False (unchanged) if not."""
         limits = self.limits
         if (self.is_full or self.num_tokens + request.num_tokens > limits.max_tokens_per_batch
@@ -150,13 +207,18 @@ class BatchBuilder:
             return False
         self.requests.append(request)
         try:
-            is_fit = workspace_bytes(self.requests) <= limits.max_workspace_bytes
+            num_bytes = self.catalog.batch_bytes(self.requests)
         except BaseException:
             self.requests.pop()
             raise
-        if not is_fit:
+        if num_bytes > limits.max_workspace_bytes:
             self.requests.pop()
             return False
         self.num_tokens += request.num_tokens
         self.num_beams += request.beam_width
+        self.workspace_bytes = num_bytes
         return True
+
+    def batch(self) -> ScheduledBatch:
+        return ScheduledBatch(tuple(self.requests), self.catalog, self.num_tokens,
+                              self.num_beams, self.workspace_bytes)

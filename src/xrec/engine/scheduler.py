@@ -1,10 +1,11 @@
 """FixedStepsScheduler: bounded request queue -> FIFO waiting queue -> batches under budgets.
 
-Bookkeeping only (no torch, no numpy). One loop thread builds batches and hands
-each to `launch`; the executor answers the requests of a launched batch and
-calls `batch_done()` once per batch, whatever the outcome. The scheduler
-answers only the requests it refuses (submit), drops (deadline passed) or
-shuts down (close); cancelled requests are dropped without an answer.
+Bookkeeping only (no torch, no numpy). One loop thread builds each batch on the
+current catalog and hands it to `launch` as a `ScheduledBatch`; the executor runs it
+and returns a `BatchReport` through `finish()`, once per batch, whatever the outcome.
+The scheduler answers every request exactly once: refused (submit), dropped (deadline
+passed), shut down (close) or finished (its report); cancelled requests are dropped
+without an answer.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
-from xrec.engine.requests import BatchBuilder, BatchLimits, ScheduledRequest
+from xrec.engine.requests import (BatchBuilder, BatchCatalog, BatchLimits, BatchReport,
+                                  ScheduledBatch, ScheduledRequest)
 from xrec.errors import DeadlineExceeded, Internal, ResourceExhausted, Unavailable, XrecError
 
-__all__ = ["BatchLimits", "FixedStepsScheduler", "ScheduledRequest"]
+__all__ = ["BatchLimits", "FixedStepsScheduler", "ScheduledBatch", "ScheduledRequest"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,20 +34,21 @@ Dropped = list[tuple[ScheduledRequest, "XrecError | None"]]  # None: drop withou
 class FixedStepsScheduler:
     """Admits requests FIFO into batches that fit `limits`; at most `max_concurrency` in flight.
 
-    `workspace_bytes(batch)` is the executor's own workspace estimate and must
-    not shrink when a request is added. `clock` is the time base of request
-    deadlines (`time.monotonic` by default). `submit` never blocks.
+    `catalog()` is the catalog new batches run on (it may change between calls): a batch
+    is built and admitted on one catalog's workspace estimate and runs on that catalog.
+    `clock` is the time base of request deadlines (`time.monotonic` by default).
+    `submit` never blocks.
     """
 
     def __init__(self, limits: BatchLimits,
-                 launch: Callable[[list[ScheduledRequest]], None],
-                 workspace_bytes: Callable[[Sequence[ScheduledRequest]], int],
+                 launch: Callable[[ScheduledBatch], None],
+                 catalog: Callable[[], BatchCatalog],
                  clock: Callable[[], float] = time.monotonic):
         self._limits, self._launch = limits, launch
-        self._workspace_bytes, self._clock = workspace_bytes, clock
+        self._catalog, self._clock = catalog, clock
         # Shared state below is touched only under self._cond's plain lock, which is never
-        # held while calling launch(), workspace_bytes() or any Future method (so no other
-        # lock is ever taken inside it: no lock order to get wrong).
+        # held while calling launch(), a catalog's batch_bytes() or any Future method (so no
+        # other lock is ever taken inside it: no lock order to get wrong).
         self._cond = threading.Condition(threading.Lock())
         self._incoming: collections.deque[ScheduledRequest] = collections.deque()
         self._num_pending = 0      # submitted; not yet launched, dropped or refused
@@ -95,11 +98,12 @@ class FixedStepsScheduler:
                 self._check_not_submitted(request)
             is_closing = self._is_closing
         errors: list[XrecError | None] = []
+        catalog = self._catalog()
         for request in requests:
             error: XrecError | None = Unavailable("server is shutting down") if is_closing else None
             if error is None:
                 try:
-                    reason = self._limits.why_too_big(request, self._workspace_bytes([request]))
+                    reason = self._limits.why_too_big(request, catalog.batch_bytes([request]))
                     error = ResourceExhausted(reason) if reason else None
                 except Exception as exc:  # an estimator bug fails this request only
                     error = Internal(f"workspace estimate failed: {exc!r}")
@@ -145,8 +149,25 @@ class FixedStepsScheduler:
             if not self._num_holds:
                 self._notify_loop()
 
+    def finish(self, batch: ScheduledBatch, report: BatchReport) -> None:
+        """The executor finished `batch`: answer each request with its answer, or the batch's
+        error, or DEADLINE_EXCEEDED when it finished past its deadline; free the batch's slot."""
+        try:
+            finished = report.finished_at
+            for index, request in enumerate(batch.requests):
+                if report.error is not None:
+                    request.fail(type(report.error)(report.error.message))
+                elif request.deadline is not None and finished > request.deadline:
+                    late_ms = round(1000.0 * (finished - request.deadline), 3)
+                    request.fail(DeadlineExceeded(f"request finished {late_ms} ms after its "
+                                                  "deadline"))
+                else:
+                    request.answer(report.answers[index])
+        finally:
+            self.batch_done()
+
     def batch_done(self) -> None:
-        """The executor finished one launched batch (any outcome); frees its slot."""
+        """One launched batch is over (any outcome); frees its slot. `finish` calls this."""
         with self._cond:
             if self._num_running < 1:
                 raise RuntimeError("batch_done() called more often than batches were launched")
@@ -239,21 +260,22 @@ class FixedStepsScheduler:
         now = self._clock()
         is_sweep_needed |= now >= self._next_deadline
         dropped: Dropped = self._sweep(now) if is_sweep_needed else []
-        batch, hold_until = [], math.inf
+        batch: ScheduledBatch | None = None
+        hold_until = math.inf
         if num_free > 0 and self._waiting:
-            batch, hold_until = self._take_batch(now, is_closing, dropped, num_free)
-            for request in [r for r in batch if not r.mark_running()]:
-                batch.remove(request)  # cancelled just now
-                dropped.append((request, None))
+            builder, hold_until = self._take_batch(now, is_closing, dropped, num_free)
+            if builder is not None:
+                batch = _running_batch(builder, dropped)
         if dropped or batch:
+            num_launched = 0 if batch is None else batch.num_requests
             with self._cond:
-                self._num_pending -= len(dropped) + len(batch)
-                self._num_running += bool(batch)
+                self._num_pending -= len(dropped) + num_launched
+                self._num_running += batch is not None
                 self._cond.notify_all()
             for request, error in dropped:
                 if error is not None:
                     request.fail(error)
-            if batch:
+            if batch is not None:
                 self._launch_batch(batch)
             return True
         timeout = min(MAX_IDLE_WAIT_S, self._next_deadline - now, hold_until - now)
@@ -286,8 +308,9 @@ class FixedStepsScheduler:
         return dropped
 
     def _take_batch(self, now: float, is_closing: bool, dropped: Dropped, num_free: int,
-                    ) -> tuple[list[ScheduledRequest], float]:
-        """Remove the next batch from the head of the waiting queue; return it and hold_until.
+                    ) -> tuple[BatchBuilder | None, float]:
+        """Remove the next batch from the head of the waiting queue, built on the current
+        catalog; return it (None: no batch) and hold_until.
 
         With `num_free` pipelines free, the batch takes at most its share of the queue
         (1/num_free of the requests), so a burst is spread over the idle pipelines instead
@@ -295,7 +318,7 @@ class FixedStepsScheduler:
         Returns no batch while now < hold_until (a partial batch may wait to fill).
         Dead requests met on the way are removed and appended to `dropped`.
         """
-        builder = BatchBuilder(self._limits)
+        builder = BatchBuilder(self._limits, self._catalog())
         share = -(-len(self._waiting) // num_free)
         skipped: list[tuple[int, ScheduledRequest]] = []
         num_dropped_before, last_admitted, is_blocked = len(dropped), -1, False
@@ -305,7 +328,7 @@ class FixedStepsScheduler:
                 dropped.append((request, reason))
                 continue
             try:
-                if builder.try_add(request, self._workspace_bytes):
+                if builder.try_add(request):
                     last_admitted = position
                     if builder.is_full or len(builder.requests) >= share:
                         break
@@ -333,16 +356,32 @@ class FixedStepsScheduler:
         else:  # without skips, what was taken or dropped is a prefix of the queue
             for _ in range(len(removed)):
                 self._waiting.popleft()
-        return ([], hold_until) if is_holding else (batch, hold_until)
+        return (None if is_holding or not batch else builder), hold_until
 
-    def _launch_batch(self, batch: list[ScheduledRequest]) -> None:
+    def _launch_batch(self, batch: ScheduledBatch) -> None:
         try:
             self._launch(batch)
         except Exception as exc:  # fail this batch and keep serving
-            logger.exception("launch failed for a batch of %d requests", len(batch))
-            for request in batch:
+            logger.exception("launch failed for a batch of %d requests", batch.num_requests)
+            for request in batch.requests:
                 request.fail(Internal(f"launching the batch failed: {exc!r}"))
             self.batch_done()
+
+
+def _running_batch(builder: BatchBuilder, dropped: Dropped) -> ScheduledBatch | None:
+    """The builder's batch without the requests cancelled just now (moved to `dropped`);
+    from here the executor owns their answers. None when every request was cancelled."""
+    running = []
+    for request in builder.requests:
+        if request.mark_running():
+            running.append(request)
+        else:
+            dropped.append((request, None))
+    if not running:
+        return None
+    # the workspace estimate stays the whole batch's: an upper bound of what runs
+    return ScheduledBatch(tuple(running), builder.catalog, sum(r.num_tokens for r in running),
+                          sum(r.beam_width for r in running), builder.workspace_bytes)
 
 
 def _fail_all(requests: list[ScheduledRequest], error: XrecError) -> None:

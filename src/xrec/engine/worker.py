@@ -40,6 +40,7 @@ def main(argv: list[str]) -> int:
         conn.send_bytes(dumps(("failed", _picklable(loaded[0])), None)[0])
         return 1
     engine = loaded[0]
+    engine.own_process()   # this process exists to serve it
     conn.send_bytes(dumps(("ready", engine.describe()), None)[0])
     Child(engine, conn, arena).serve()
     return 0

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xrec.config import FamilyConfig
 from xrec.model.inputs import ModelInputs
 from xrec.model.kv import BeamKV
 from xrec.model.layers import linear
@@ -31,7 +32,7 @@ _LOG2_E, _LN_2 = 1.0 / math.log(2.0), math.log(2.0)
 class RecModel(nn.Module):
     """Base class of the model families: the search interface and the LM head."""
 
-    config: Any
+    config: FamilyConfig
 
     # ---- what a family implements -------------------------------------------------
 
@@ -54,12 +55,12 @@ class RecModel(nn.Module):
         raise NotImplementedError
 
     @classmethod
-    def canonical_name(cls, name: str, config: Any) -> str:
+    def canonical_name(cls, name: str, config: FamilyConfig) -> str:
         """A checkpoint tensor's name as this family's `state_dict` spells it."""
         return name
 
     @classmethod
-    def prepare_checkpoint(cls, tensors: dict[str, torch.Tensor], config: Any) -> None:
+    def prepare_checkpoint(cls, tensors: dict[str, torch.Tensor], config: FamilyConfig) -> None:
         """Drop or alias tensors a checkpoint may carry beyond the family's own (in place)."""
 
     # ---- shared ---------------------------------------------------------------------

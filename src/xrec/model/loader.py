@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
-
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from xrec.config import read_model_config
+from xrec.config import FamilyConfig, read_model_config
 from xrec.model.family import RecModel
 from xrec.model.registry import model_class
 
@@ -25,7 +23,7 @@ class CheckpointError(ValueError):
     """A checkpoint that does not match the model config: names and shapes say why."""
 
 
-def read_checkpoint(model_dir: Path, config: Any) -> dict[str, torch.Tensor]:
+def read_checkpoint(model_dir: Path, config: FamilyConfig) -> dict[str, torch.Tensor]:
     """All tensors of all `*.safetensors` files in `model_dir`, under the family's names."""
     family = model_class(config)
     files = sorted(model_dir.glob("*.safetensors"))
@@ -92,7 +90,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     return model.eval().requires_grad_(False)
 
 
-def save_model(model_dir: str | Path, config: Any, state_dict: dict[str, torch.Tensor],
+def save_model(model_dir: str | Path, config: FamilyConfig, state_dict: dict[str, torch.Tensor],
                max_shard_bytes: int = 2 << 30) -> None:
     """Write `config.json` and `model.safetensors` (or numbered shards past `max_shard_bytes`)."""
     model_dir = Path(model_dir)

@@ -13,7 +13,7 @@ from torch import nn
 
 from xrec.config import ModelConfig
 from xrec.model.layers import Linear, SwiGLU, gated_silu
-from xrec.qwen_config import QwenConfig
+from xrec.config.qwen import QwenConfig
 
 
 def run_experts(tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,

@@ -26,7 +26,7 @@ from xrec.model.kv import BeamKV, PrefixKV
 from xrec.model.layers import Linear, RMSNorm, SwiGLU
 from xrec.model.moe import SparseMoE
 from xrec.model.rope import apply_rope, rope_tables
-from xrec.qwen_config import QwenConfig
+from xrec.config.qwen import QwenConfig
 
 
 class QwenAttention(nn.Module):

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from tqdm import tqdm
 
+from xrec.config import FamilyConfig
 from xrec.model.registry import model_class
 
 _NORMS = ("layer_norm.weight", "layernorm.weight", "norm.weight")
 
 
-def random_state_dict(config: Any, seed: int, progress: bool = False) -> dict[str, torch.Tensor]:
+def random_state_dict(config: FamilyConfig, seed: int, progress: bool = False) -> dict[str, torch.Tensor]:
     """Weights drawn from a seeded generator: norms near 1, projections ~ N(0, 1/fan_in),
     biases ~ N(0, 0.1). OneRec's shared embedding and bias tables ~ N(0, 1) (its tied head
     scales by d_model**-0.5, and position biases must matter); a Qwen embedding, which is

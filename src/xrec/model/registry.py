@@ -6,14 +6,12 @@ engine asks which family runs.
 
 from __future__ import annotations
 
-from typing import Any
-
-from xrec.config import ModelConfig
+from xrec.config import FamilyConfig, ModelConfig
 from xrec.model.family import RecModel
-from xrec.qwen_config import QwenConfig
+from xrec.config.qwen import QwenConfig
 
 
-def model_class(config: Any) -> type[RecModel]:
+def model_class(config: FamilyConfig) -> type[RecModel]:
     from xrec.model.onerec import OneRecModel
     from xrec.model.qwen import QwenModel
 

@@ -32,12 +32,16 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from xrec.errors import XrecError
 from xrec.scale.rows import (InputInfo, RowError, RowSettings, answer_record, check_input,
                              decode_row, error_record, file_format, id_type_of, iter_chunks,
                              output_schema, write_records)
+
+if TYPE_CHECKING:
+    from xrec.engine.engine import Engine
+    from xrec.engine.frontend import EngineFrontend
 
 logger = logging.getLogger("xrec.batch")
 
@@ -193,7 +197,7 @@ def write_manifest(out: Path, identity: dict, num_done_chunks: int, num_done_row
 Prepared = list   # per row: (row id, ValidRequest) or an error record (dict)
 
 
-def prepare_chunk(engine: Any, raws: Sequence[Any], settings: RowSettings) -> Prepared:
+def prepare_chunk(engine: EngineFrontend, raws: Sequence[Any], settings: RowSettings) -> Prepared:
     """Decode and validate a chunk's rows (prompts are tokenized here)."""
     prepared: Prepared = []
     for raw in raws:
@@ -209,7 +213,7 @@ def prepare_chunk(engine: Any, raws: Sequence[Any], settings: RowSettings) -> Pr
     return prepared
 
 
-def submit_chunk(engine: Any, prepared: Prepared) -> list[Future]:
+def submit_chunk(engine: EngineFrontend, prepared: Prepared) -> list[Future]:
     """The chunk's valid requests, submitted at once (so the engine's batches depend on the
     chunk only)."""
     return engine.submit_valid_many([p[1] for p in prepared if isinstance(p, tuple)])
@@ -231,7 +235,7 @@ def chunk_records(prepared: Prepared, futures: Sequence[Future]) -> list[dict]:
     return records
 
 
-def run_chunk(engine: Any, raws: Sequence[Any], settings: RowSettings) -> list[dict]:
+def run_chunk(engine: EngineFrontend, raws: Sequence[Any], settings: RowSettings) -> list[dict]:
     """One chunk start to end (the Ray actors' call)."""
     prepared = prepare_chunk(engine, raws, settings)
     futures = submit_chunk(engine, prepared)
@@ -242,21 +246,29 @@ def run_chunk(engine: Any, raws: Sequence[Any], settings: RowSettings) -> list[d
 
 # ---- the run -----------------------------------------------------------------------------
 
-def load_engine(model_dir: str, catalog: str | None, options: dict) -> Any:
+def load_engine(model_dir: str, catalog: str | None, options: dict,
+                owns_process: bool = False) -> Engine:
     """The engine, loaded in a thread that ends: torch work on a long-lived thread keeps an
-    OpenMP team that slows the pipeline (docs/decisions.md, Benchmarks)."""
+    OpenMP team that slows the pipeline (docs/decisions.md, Benchmarks). `owns_process`:
+    this process exists to run it (the `xrec batch` command, a Ray actor or replica), so it
+    takes a serving process's settings (`Engine.own_process`)."""
     from xrec import Engine
-    from xrec.fresh_thread import in_fresh_thread
+    from xrec.utils.fresh_thread import in_fresh_thread
 
-    return in_fresh_thread(lambda: Engine.from_pretrained(model_dir, catalog=catalog,
-                                                          isolation="thread", **options))
+    engine = in_fresh_thread(lambda: Engine.from_pretrained(model_dir, catalog=catalog,
+                                                            isolation="thread", **options))
+    if owns_process:
+        engine.own_process()
+    return engine
 
 
 _DONE = object()
 
 
-def run_batch(job: BatchJob, engine: Any = None) -> BatchSummary:
-    """Run `job` in this process (`engine`: an already loaded one with `job.options()`)."""
+def run_batch(job: BatchJob, engine: EngineFrontend | None = None,
+              owns_process: bool = False) -> BatchSummary:
+    """Run `job` in this process (`engine`: an already loaded one with `job.options()`;
+    `owns_process`: see `load_engine`)."""
     input_format, output_format = job.formats()
     info = check_input(job.input, input_format, job.settings)
     schema = output_schema(id_type_of(info)) if output_format == "parquet" else None
@@ -271,7 +283,7 @@ def run_batch(job: BatchJob, engine: Any = None) -> BatchSummary:
     write_manifest(out, identity, start_chunk, done_rows, False)
     own_engine = engine is None
     if own_engine:
-        engine = load_engine(job.model_dir, job.catalog, job.options())
+        engine = load_engine(job.model_dir, job.catalog, job.options(), owns_process)
     try:
         return _pipeline(job, engine, info, identity, schema, output_format, start_chunk,
                          num_chunks, done_rows)
@@ -280,7 +292,7 @@ def run_batch(job: BatchJob, engine: Any = None) -> BatchSummary:
             engine.close()
 
 
-def _pipeline(job: BatchJob, engine: Any, info: InputInfo, identity: dict, schema: Any,
+def _pipeline(job: BatchJob, engine: EngineFrontend, info: InputInfo, identity: dict, schema: Any,
               output_format: str, start_chunk: int, num_chunks: int, done_rows: int) -> BatchSummary:
     from tqdm import tqdm
 

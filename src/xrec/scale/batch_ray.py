@@ -115,7 +115,7 @@ class ChunkActor:
 
     def __init__(self, model_dir: str, catalog: str | None, options: dict, settings: RowSettings,
                  input_format: str, output_format: str, schema: Any):
-        self.engine = load_engine(model_dir, catalog, options)
+        self.engine = load_engine(model_dir, catalog, options, owns_process=True)
         self.settings, self.input_format, self.output_format = settings, input_format, output_format
         self.schema = schema
 

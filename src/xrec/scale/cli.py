@@ -10,6 +10,9 @@ import argparse
 import sys
 from typing import Any
 
+from xrec.config import EngineOptions
+from xrec.demo import model_dir_or_demo
+
 RAY_MISSING = ("Ray is not installed; install the optional extra: pip install 'xrec[ray]' "
                "(the default, without --ray, needs no Ray)")
 
@@ -24,8 +27,6 @@ def require_ray(flag: str) -> Any:
 
 
 def add_batch_parser(sub: Any) -> argparse.ArgumentParser:
-    from xrec.cli import add_engine_options
-
     batch = sub.add_parser("batch", help="recommendations for every row of a Parquet / JSONL "
                            "file (offline candidate generation), in process or with --ray")
     batch.add_argument("--input", required=True, help="Parquet or JSONL file, one request per "
@@ -60,22 +61,22 @@ def add_batch_parser(sub: Any) -> argparse.ArgumentParser:
     ray.add_argument("--actor-cpus", type=float, help="CPUs each actor reserves (default: "
                      "--num-threads, at most the cluster's CPUs less one)")
     ray.add_argument("--actor-gpus", type=float, default=0.0, help="GPUs each actor reserves")
-    add_engine_options(batch)
+    EngineOptions.add_cli_args(batch)
     batch.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     batch.set_defaults(run=run_batch_command)
     return batch
 
 
 def batch_job(args: argparse.Namespace) -> Any:
-    from xrec.cli import _model_dir, engine_options
     from xrec.scale.batch import BatchJob
     from xrec.scale.rows import RowSettings
 
     # --normalize is the engine option (every row's default)
     settings = RowSettings(args.id_column, args.beam_width, args.num_results, None,
                            not args.no_items)
-    return BatchJob(args.input, args.output, _model_dir(args), args.catalog, settings,
-                    args.input_format, args.output_format, args.chunk_rows, engine_options(args),
+    return BatchJob(args.input, args.output, model_dir_or_demo(args.model), args.catalog, settings,
+                    args.input_format, args.output_format, args.chunk_rows,
+                    EngineOptions.kwargs_from_cli(args),
                     args.resume, args.overwrite, not args.no_progress)
 
 
@@ -92,7 +93,7 @@ def run_batch_command(args: argparse.Namespace) -> int:
                                                 args.actor_gpus))
     else:
         from xrec.scale.batch import run_batch
-        summary = run_batch(job)
+        summary = run_batch(job, owns_process=True)
     skipped = f", {summary.num_skipped} already written" if summary.num_skipped else ""
     print(f"xrec batch: {summary.num_rows} rows ({summary.num_errors} errors{skipped}) in "
           f"{summary.seconds:.1f} s, {summary.rows_per_s:.1f} rows/s -> {summary.output}",

@@ -80,9 +80,9 @@ class ServeOptions:
         if self.grace_s < 0:
             raise ValueError(f"--grace-s: got {self.grace_s}, expected >= 0")
         if self.api_key is not None:
-            from xrec.server.app import _checked_key
+            from xrec.server.service import checked_api_key
             try:
-                _checked_key(self.api_key)
+                checked_api_key(self.api_key)
             except ValueError as e:
                 raise ValueError(f"--api-key / XREC_API_KEY: {str(e)[len('api key: '):]}") from None
 
@@ -136,7 +136,7 @@ class XrecReplica:
         logging.getLogger("xrec").setLevel(logging.INFO)
         self.options = options
         self.engine = load_engine(options.model_dir, options.catalog,
-                                  options.replica_engine_options())
+                                  options.replica_engine_options(), owns_process=True)
         self.http_app = create_app(self.engine, served_model_name=options.served_model_name,
                               api_key=options.api_key, max_body_bytes=options.max_body_bytes)
         self._metrics_url = _serve_metrics(self.http_app.state.xrec.metrics.registry)

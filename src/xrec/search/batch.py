@@ -1,15 +1,31 @@
-"""Host-side batch building: validated requests -> padded tensors (`StepBatch`)."""
+"""Host-side batch building: requests -> padded tensors (`StepBatch`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 import torch
 
-from xrec.api_types import ValidRequest
 from xrec.model.inputs import ModelInputs
+
+
+class SearchRequest(Protocol):
+    """What the search reads of a request (the engine's validated requests offer it):
+    its input as arrays, and its search settings."""
+
+    token_ids: np.ndarray | None          # [L] int64
+    sparse_embedding: np.ndarray | None   # [L, D] float32
+    context: np.ndarray | None            # [C, D] float32: decoder-context rows
+    beam_width: int
+    num_results: int
+    normalize: str                        # "allowed" | "full"
+    temperature: float
+    prefix_len: int
+
+    @property
+    def input_len(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -27,8 +43,9 @@ class StepBatch:
         return len(self.beam_widths)
 
 
-def prepare_batch(requests: Sequence[ValidRequest], d_model: int, pin_memory: bool = False) -> StepBatch:
-    """Pad a batch of validated requests into one `StepBatch` (pinned for a CUDA copy)."""
+def prepare_batch(requests: Sequence[SearchRequest], d_model: int,
+                  pin_memory: bool = False) -> StepBatch:
+    """Pad a batch of requests into one `StepBatch` (pinned for a CUDA copy)."""
     num_len = max(r.input_len for r in requests)
     token_ids = np.zeros((len(requests), num_len), dtype=np.int64)         # [B, L]
     embedding_rows = [i for i, r in enumerate(requests) if r.sparse_embedding is not None]

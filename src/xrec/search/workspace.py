@@ -12,7 +12,9 @@ buffers, logits and candidate buffers).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
+
+from xrec.config import FamilyConfig
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class BatchShape:
 class WorkspaceModel:
     """The model/catalog facts the estimate needs."""
 
-    config: Any                # ModelConfig or QwenConfig: context_bytes, decode_bytes, beam_kv_shape
+    config: FamilyConfig
     dtype_bytes: int
     max_children: int          # widest catalog node after the first level (vocab when unconstrained)
     rounds: int

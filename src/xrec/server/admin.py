@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import orjson
 from fastapi import FastAPI, Request
@@ -37,7 +37,10 @@ from pydantic import BaseModel
 
 from xrec.errors import Internal, XrecError
 from xrec.server import schemas
-from xrec.server.app import XrecService, error_response, read_body
+from xrec.server.service import XrecService, error_response, read_body
+
+if TYPE_CHECKING:
+    from xrec.engine.frontend import EngineFrontend
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +62,7 @@ def add_catalog_routes(app: FastAPI, service: XrecService) -> None:
 
     @app.post("/v1/admin/catalog")
     async def load_catalog(request: Request) -> Response:
-        async def load(engine: Any) -> None:
+        async def load(engine: EngineFrontend) -> None:
             body = await read_body(request, MAX_ADMIN_BODY_BYTES)
             parsed = schemas.parse_body(body, CatalogLoadRequest)
             await asyncio.to_thread(engine.load_catalog, parsed.path, parsed.extended)
@@ -67,13 +70,13 @@ def add_catalog_routes(app: FastAPI, service: XrecService) -> None:
 
     @app.post("/v1/admin/catalog/restore")
     async def restore_catalog() -> Response:
-        async def restore(engine: Any) -> None:
+        async def restore(engine: EngineFrontend) -> None:
             await asyncio.to_thread(engine.restore_catalog)
         return await _change(service, "restore", restore)
 
 
 async def _change(service: XrecService, action: str | None,
-                  change: Callable[[Any], Awaitable[None]] | None) -> Response:
+                  change: Callable[[EngineFrontend], Awaitable[None]] | None) -> Response:
     """Run a load or restore (None: only read); answer both versions after it, or the
     error (a load or restore is counted by outcome)."""
     try:
@@ -93,7 +96,7 @@ async def _change(service: XrecService, action: str | None,
     return answer
 
 
-def _versions(engine: Any) -> Response:
+def _versions(engine: EngineFrontend) -> Response:
     current, previous = engine.catalog_version, engine.previous_catalog_version
     body = {"current": None if current is None else current.to_dict(),
             "previous": None if previous is None else previous.to_dict()}

@@ -2,10 +2,11 @@
 so that several apps in one process do not collide).
 
 Batch metrics come from the engine's report hook (`BatchReport`, called on a
-pipeline thread; prometheus_client metrics are thread-safe). Gauges are read
-from the engine when scraped. Per-round time is the batch's run time divided
-by the engine's `rounds` (the run time includes host preparation and item
-conversion, so this is an upper bound of the device time of one round).
+pipeline thread; prometheus_client metrics are thread-safe). Gauges come from one
+`engine.stats()` per scrape (`EngineStats`: the same for both engine kinds). Per-round
+time is the batch's run time divided by the engine's `rounds` (the run time includes
+host preparation and item conversion, so this is an upper bound of the device time of
+one round).
 
 The served catalog (hot reload, `server/admin.py`) is read when scraped:
 `xrec_catalog_info{content_hash, source} 1` names the current version,
@@ -16,12 +17,17 @@ and restores through the admin routes by outcome.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from xrec.engine.frontend import EngineFrontend, EngineStats
+    from xrec.engine.requests import BatchReport
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                    30.0, 60.0)
@@ -37,7 +43,7 @@ class ServerMetrics:
 
     def __init__(self) -> None:
         self.registry = registry = CollectorRegistry()
-        self._engine: Any = None
+        self._engine: EngineFrontend | None = None
         self.request_latency = Histogram(
             "xrec_request_latency_seconds", "End-to-end latency of recommendation requests "
             "(body read to response built)", ["api"], buckets=LATENCY_BUCKETS, registry=registry)
@@ -66,41 +72,21 @@ class ServerMetrics:
             "xrec_input_tokens", "Encoder input tokens of accepted requests", registry=registry)
         self.batches = Counter(
             "xrec_batches", "Batches run, by outcome", ["outcome"], registry=registry)
-        gauges = {
-            "xrec_requests_waiting": ("Requests queued and not yet launched",
-                                      lambda e: e.scheduler.num_waiting),
-            "xrec_batches_running": ("Batches in flight",
-                                     lambda e: e.scheduler.num_running_batches),
-            "xrec_pipelines_busy": ("Pipelines running a batch", lambda e: e.executor.num_busy),
-            "xrec_pipelines": ("Pipelines", lambda e: e.num_pipelines),
-            "xrec_workspace_bytes_total": ("Workspace budget of all pipelines",
-                                           lambda e: e.workspace_per_pipeline * e.num_pipelines),
-            "xrec_workspace_bytes_in_use": ("Workspace estimate of the batches running now",
-                                            lambda e: e.executor.workspace_bytes_in_use),
-        }
-        for name, (doc, read) in gauges.items():
-            Gauge(name, doc, registry=registry).set_function(self._reader(read))
         self.catalog_changes = Counter(
             "xrec_catalog_changes", "Catalog loads and restores through the admin routes, by "
             "action (load, restore) and status code (OK or an error code)", ["action", "code"],
             registry=registry)
-        registry.register(_CatalogCollector(self))
+        registry.register(_EngineCollector(self))
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: EngineFrontend) -> None:
         self._engine = engine
         engine.add_report_hook(self.on_batch)
 
-    def _reader(self, read: Any) -> Any:
-        def value() -> float:
-            engine = self._engine
-            return 0.0 if engine is None else float(read(engine))
-        return value
-
-    def on_batch(self, report: Any) -> None:
+    def on_batch(self, report: BatchReport) -> None:
         """The engine's report hook: one call per finished batch, on a pipeline thread."""
         self.batches.labels("ok" if report.is_ok else "failed").inc()
         self.step_time.observe(report.run_s)
-        rounds = getattr(getattr(self._engine, "options", None), "rounds", 0) or 1
+        rounds = self._engine.options.rounds if self._engine is not None else 1
         self.round_time.observe(report.run_s / rounds)
         self.batch_requests.observe(report.num_requests)
         self.batch_beams.observe(report.num_beams)
@@ -123,24 +109,47 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-class _CatalogCollector(Collector):
-    """The engine's current catalog version, read at each scrape (a swap shows at once, and
-    the previous version's labels vanish)."""
+# gauge -> (help, its value in an EngineStats)
+ENGINE_GAUGES = {
+    "xrec_requests_waiting": ("Requests queued and not yet launched",
+                              lambda s: s.num_requests_waiting),
+    "xrec_batches_running": ("Batches in flight", lambda s: s.num_batches_running),
+    "xrec_pipelines_busy": ("Pipelines running a batch", lambda s: s.num_pipelines_busy),
+    "xrec_pipelines": ("Pipelines", lambda s: s.num_pipelines),
+    "xrec_workspace_bytes_total": ("Workspace budget of all pipelines",
+                                   lambda s: s.workspace_bytes_total),
+    "xrec_workspace_bytes_in_use": ("Workspace estimate of the batches running now",
+                                    lambda s: s.workspace_bytes_in_use),
+}
+
+
+class _EngineCollector(Collector):
+    """The engine's load and its current catalog version from one `stats()` per scrape (a
+    catalog swap shows at once, and the previous version's labels vanish); 0 while the
+    engine loads."""
 
     def __init__(self, metrics: ServerMetrics):
         self.metrics = metrics
 
-    def collect(self) -> Any:
+    def collect(self) -> Iterator[GaugeMetricFamily]:
         engine = self.metrics._engine
-        version = None if engine is None else getattr(engine, "catalog_version", None)
-        if version is None:
-            return
-        info = GaugeMetricFamily("xrec_catalog_info", "The catalog serving new batches (value 1)",
-                                 labels=["content_hash", "source"])
-        info.add_metric([version.content_hash, version.source or ""], 1.0)
-        yield info
-        yield GaugeMetricFamily("xrec_catalog_items", "Items in the current catalog",
-                                value=version.num_items)
-        yield GaugeMetricFamily("xrec_catalog_loaded_timestamp_seconds",
-                                "When the current catalog was loaded (Unix time)",
-                                value=version.loaded_at)
+        stats = None if engine is None else engine.stats()
+        for name, (doc, value) in ENGINE_GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=0.0 if stats is None else value(stats))
+        if stats is not None:
+            yield from _catalog_gauges(stats)
+
+
+def _catalog_gauges(stats: EngineStats) -> Iterator[GaugeMetricFamily]:
+    version = stats.catalog_version
+    if version is None:
+        return
+    info = GaugeMetricFamily("xrec_catalog_info", "The catalog serving new batches (value 1)",
+                             labels=["content_hash", "source"])
+    info.add_metric([version.content_hash, version.source or ""], 1.0)
+    yield info
+    yield GaugeMetricFamily("xrec_catalog_items", "Items in the current catalog",
+                            value=version.num_items)
+    yield GaugeMetricFamily("xrec_catalog_loaded_timestamp_seconds",
+                            "When the current catalog was loaded (Unix time)",
+                            value=version.loaded_at)

@@ -37,7 +37,9 @@ from typing import Any
 
 import uvicorn
 
-from xrec.server.app import XrecService, create_app
+from xrec.engine.frontend import EngineFrontend
+from xrec.server.app import create_app
+from xrec.server.service import XrecService
 from xrec.server.limits import ConnectionLimits, protocol_class
 
 logger = logging.getLogger("xrec.server")
@@ -131,7 +133,8 @@ def serve(args: argparse.Namespace, model_dir: str, engine_options: dict[str, An
     server = DrainingServer(config, service, args.grace_s)
     previous = _install_signal_handlers(server.handle_exit)
     try:
-        status = _run(server, sock, args, model_dir, engine_options, name, api_key)
+        status = _run(server, sock, args, model_dir, engine_options, name, api_key,
+                      owns_process)
     finally:
         sock.close()
         if previous is not None:
@@ -142,9 +145,9 @@ def serve(args: argparse.Namespace, model_dir: str, engine_options: dict[str, An
     return status
 
 
-def _exit_now_if_busy(engine: Any, status: int) -> None:
+def _exit_now_if_busy(engine: EngineFrontend | None, status: int) -> None:
     """Leave the process at once when a pipeline still runs a batch (module docstring)."""
-    num_busy = getattr(getattr(engine, "executor", None), "num_busy", 0)
+    num_busy = 0 if engine is None else engine.stats().num_pipelines_busy
     if num_busy:
         logger.warning("xrec serve: %d batch(es) still running past the grace period (their "
                        "requests were answered UNAVAILABLE); exiting without waiting", num_busy)
@@ -155,7 +158,8 @@ def _exit_now_if_busy(engine: Any, status: int) -> None:
 
 
 def _run(server: DrainingServer, sock: socket.socket, args: argparse.Namespace, model_dir: str,
-         engine_options: dict[str, Any], name: str, api_key: str | None) -> int:
+         engine_options: dict[str, Any], name: str, api_key: str | None,
+         owns_process: bool) -> int:
     """Load the engine on a thread while `server` serves `sock`; until the drain ends."""
     from xrec import Engine
 
@@ -175,6 +179,8 @@ def _run(server: DrainingServer, sock: socket.socket, args: argparse.Namespace, 
         if service.is_draining:  # a signal came while loading
             engine.close(0)
             return
+        if owns_process:
+            engine.own_process()
         service.attach(engine)
         deadline = time.monotonic() + 10.0
         while not server.started and time.monotonic() < deadline and not server.should_exit:
@@ -243,7 +249,7 @@ def _reserve_file_descriptors(max_connections: int) -> None:
                            target, needed, max_connections)
 
 
-def _log_start(engine: Any, name: str, host: str, port: int, has_key: bool,
+def _log_start(engine: EngineFrontend, name: str, host: str, port: int, has_key: bool,
                max_body_bytes: int, limits: ConnectionLimits) -> None:
     info = engine.describe()
     logger.info("xrec serve: model %r (%s): %.2fM parameters, %.1f MiB of weights, catalog %s",

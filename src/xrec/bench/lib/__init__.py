@@ -1,0 +1,1 @@
+"""What the `xrec bench` commands share: workloads, contenders, timing, output files."""

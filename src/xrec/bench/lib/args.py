@@ -1,0 +1,26 @@
+"""What every `xrec bench` command reads of its parsed arguments (`bench/cli.py` builds them)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from xrec.bench.lib.models import model_dir
+
+
+def slow_repeats_of(args: argparse.Namespace) -> int:
+    """Measured runs of the slow contenders (hf, naive): --hf-repeats, else --repeats up to 3."""
+    return args.hf_repeats if args.hf_repeats is not None else min(args.repeats, 3)
+
+
+def model_dir_of(args: argparse.Namespace):
+    """--model, or the cached random model of --size/--seed/--items."""
+    if args.model:
+        return Path(args.model)
+    return model_dir(args.size, args.seed, args.items)
+
+
+def progress_bar(args: argparse.Namespace, total: int, desc: str):
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit="run", disable=args.no_progress, file=sys.stderr)

@@ -1,0 +1,162 @@
+"""Loading the contenders and running them side by side, interleaved, on one workload."""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from xrec.bench.lib.common import MIB, PeakMemory, summarize
+from xrec.bench.lib.contenders import HFContender, XrecContender, build_trie, overlap
+from xrec.bench.lib.models import Workload
+from xrec.utils.fresh_thread import in_fresh_thread
+
+CONTENDERS = ("xrec", "xrec-full", "hf", "naive")
+SLOW = ("hf", "naive")          # run --hf-repeats times instead of --repeats
+REFERENCE = "hf"
+
+
+@dataclass
+class Contenders:
+    """The loaded contenders (by name, in run order) and what must be closed after."""
+
+    by_name: dict[str, Any]
+    engine: Any = None
+    vocab_size: int = 0
+    info: dict = field(default_factory=dict)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+def load_contenders(names: list[str], model_dir: Path, device: str, threads: int | None,
+                    engine_options: dict | None = None) -> Contenders:
+    import torch
+
+    from xrec import Engine
+    from xrec.catalog import ItemCatalog
+    from xrec.model.loader import load_model
+
+    unknown = [n for n in names if n not in CONTENDERS]
+    if unknown:
+        raise ValueError(f"contenders: unknown {unknown}, allowed: {', '.join(CONTENDERS)}")
+    if threads:
+        torch.set_num_threads(threads)
+    engine = model = None
+    if {"xrec", "xrec-full"} & set(names):
+        options = {"device": device, "num_threads": threads, **(engine_options or {})}
+        engine = Engine.from_pretrained(model_dir, isolation="thread",
+                                        **{k: v for k, v in options.items() if v is not None})
+        model = engine.model
+    if model is None or model.dtype != torch.float32:
+        model = load_model(model_dir, device, torch.float32)
+    if "naive" in names and not model.config.is_encoder_decoder:
+        raise ValueError("contender naive: a generic encoder-decoder search; this model is "
+                         "decoder-only (compare with hf)")
+    catalog = ItemCatalog.from_model_dir(model_dir, model.config.vocab_size)
+    if catalog is None:
+        raise ValueError(f"{model_dir} has no catalog (tokenizer_config.json item_catalog or vocab_file)")
+    by_name: dict[str, Any] = {}
+    trie = build_trie(catalog.triples) if set(SLOW) & set(names) else None
+    for name in names:
+        if name == "xrec":
+            by_name[name] = XrecContender(engine, "allowed", name)
+        elif name == "xrec-full":
+            by_name[name] = XrecContender(engine, "full", name)
+        elif name == "hf":
+            by_name[name] = HFContender(_hf_model(model, model_dir, device), trie)
+        else:
+            from xrec.bench.lib.naive import NaiveContender
+            by_name[name] = NaiveContender(model, trie)
+    info = {"model_dir": str(model_dir), "config": model.config.to_dict(),
+            "num_items": catalog.num_items, "num_triples": catalog.num_triples,
+            "dtype": str(model.dtype).replace("torch.", "")}
+    if engine is not None:
+        info["engine_options"] = asdict(engine.options)
+        info["engine_pipelines"] = engine.num_pipelines
+    # The contenders' long-lived objects (HF's trie alone is ~300k) are not garbage: keep the
+    # collector from rescanning one contender's heap inside another's timed run (a full
+    # collection took ~40 ms, once every ~10 xrec runs).
+    gc.collect()
+    gc.freeze()
+    return Contenders(by_name, engine, model.config.vocab_size, info)
+
+
+def _hf_model(model, model_dir: Path, device: str):
+    """The Hugging Face model of the same weights: T5 exported from an encoder-decoder, or
+    the decoder-only directory loaded as it is (float32, HF's default attention)."""
+    import torch
+
+    if model.config.is_encoder_decoder:
+        from xrec.realdata.train.hf_models import export_hf_t5
+        return export_hf_t5(model)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    for cfg in (hf.config, hf.generation_config):
+        cfg.eos_token_id, cfg.bos_token_id, cfg.pad_token_id = None, None, 0
+    return hf.to(device).eval().requires_grad_(False)
+
+
+def load_for(args, names: list[str]) -> Contenders:
+    """`load_contenders` for a bench command's arguments, in a thread that ends (no
+    OpenMP team left on the caller's thread)."""
+    from xrec.bench.lib.args import model_dir_of
+    return in_fresh_thread(
+        lambda: load_contenders(names, model_dir_of(args), args.device, args.threads,
+                                {"dtype": args.dtype}))
+
+
+def run_point(contenders: Contenders, workload: Workload, warmup: int, repeats: int,
+              slow_repeats: int, device: str, bar=None) -> dict[str, dict]:
+    """Warm up each contender (its last warm-up run measures peak memory and gives the
+    results compared with the reference), then run them interleaved: A1 B1 C1 A2 B2 ...
+    Returns per contender the timing summary, peak memory, overlap and ratios vs HF."""
+    runs: dict[str, list] = {name: [] for name in contenders.by_name}
+    checked: dict[str, Any] = {}
+    memory: dict[str, float | None] = {}
+    for name, contender in contenders.by_name.items():
+        for index in range(warmup):
+            if index == warmup - 1:
+                with PeakMemory(device) as mem:
+                    checked[name] = in_fresh_thread(lambda: contender.run(workload))
+                memory[name] = mem.peak_bytes / MIB
+            else:
+                in_fresh_thread(lambda: contender.run(workload))
+            _tick(bar, name)
+    for index in range(max(repeats, slow_repeats)):
+        for name, contender in contenders.by_name.items():
+            if index < (slow_repeats if name in SLOW else repeats):
+                runs[name].append(in_fresh_thread(lambda: contender.run(workload)))
+                _tick(bar, name)
+    out: dict[str, dict] = {}
+    for name, results in runs.items():
+        if not results:
+            continue
+        row = summarize([r.wall_s for r in results], [x for r in results for x in r.latencies_s],
+                        workload.num_requests)
+        row["peak_mib"] = memory.get(name)
+        row.update({k: v for k, v in results[-1].info.items()})
+        checked.setdefault(name, results[0])
+        out[name] = row
+    reference = out.get(REFERENCE)
+    for name, row in out.items():
+        if reference is not None:
+            row["speedup_vs_hf"] = reference["median_ms"] / row["median_ms"]
+            if row["peak_mib"] and reference["peak_mib"]:
+                row["memory_vs_hf"] = row["peak_mib"] / reference["peak_mib"]
+            if name != REFERENCE:
+                row["overlap_vs_hf"] = overlap(checked[name].triples, checked[REFERENCE].triples)
+    return out
+
+
+def num_runs(contenders: Contenders, warmup: int, repeats: int, slow_repeats: int) -> int:
+    return sum(warmup + (slow_repeats if name in SLOW else repeats) for name in contenders.by_name)
+
+
+def _tick(bar, name: str) -> None:
+    if bar is not None:
+        bar.set_postfix_str(name)
+        bar.update(1)

@@ -1,0 +1,155 @@
+"""Engine options (docs/serving.md): one frozen dataclass, the `Engine.from_pretrained` keyword
+arguments and the CLI flags of the same names (`add_cli_args`, `from_args`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+from xrec.config.keys import DTYPES
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Engine options (spec/serving.md); CLI flags and `Engine.from_pretrained` kwargs of the
+    same names. `None` means "derived": see `resolve`."""
+
+    device: str = "auto"                 # "auto" | "cpu" | "cuda" | "cuda:N"
+    dtype: str = "auto"                  # "auto" (float32 on CPU, bfloat16 on CUDA) | DTYPES
+    max_concurrency: int | None = None   # pipelines; default 1 on CPU, 2 on CUDA
+    max_seqs_per_batch: int = 64
+    max_tokens_per_batch: int = 65536    # encoder + decoder-prefix tokens
+    max_beams_per_batch: int = 8192
+    max_beam_width: int = 512
+    max_top_k: int = 1024                # also bounds num_return_sequences (the last round's K)
+    max_input_len: int = 4096
+    request_queue_size: int = 1024
+    max_memory_utilization: float = 0.9
+    default_beam_width: int = 128
+    rounds: int = 3
+    normalize: str = "allowed"
+    constrained: bool | None = None      # default: on when a catalog is loaded
+    batch_wait_ms: float = 0.0
+    request_timeout_ms: float | None = None
+    each_conversion_threshold: int = 50
+    total_conversion_threshold: int = 1000
+    generation_prefix: str | tuple[int, ...] | None = None   # decoder-only: appended to every
+                                         # prompt (text, tokenized; or ids), e.g. "<|sid_begin|>"
+    num_threads: int | None = None       # CPU intra-op threads in all; default: all cores
+    retain_host_memory: bool | None = None   # CPU: freed memory stays mapped for the next batch
+                                         # (glibc thresholds, process-wide; engine/host.py). None:
+                                         # in processes that exist to serve (xrec serve, xrec
+                                         # batch, isolation="process", Ray); True: also in a host's
+
+    def __post_init__(self) -> None:
+        ranges = {"max_seqs_per_batch": (1, 1 << 16), "max_tokens_per_batch": (1, 1 << 30),
+                  "max_beams_per_batch": (1, 1 << 24), "max_beam_width": (1, 1 << 14),
+                  "max_top_k": (1, 1 << 16), "max_input_len": (1, 1 << 24),
+                  "request_queue_size": (1, 1 << 24), "default_beam_width": (1, 1 << 14),
+                  "rounds": (1, 64), "each_conversion_threshold": (0, 1 << 30),
+                  "total_conversion_threshold": (0, 1 << 30)}
+        for name, (low, high) in ranges.items():
+            _check_range(name, getattr(self, name), low, high)
+        if self.max_concurrency is not None:
+            _check_range("max_concurrency", self.max_concurrency, 1, 64)
+        if self.num_threads is not None:
+            _check_range("num_threads", self.num_threads, 1, 4096)
+        if self.max_top_k < self.max_beam_width:
+            raise ValueError(f"option max_top_k: got {self.max_top_k}, must be >= max_beam_width="
+                             f"{self.max_beam_width} (top_k >= beam_width)")
+        if self.default_beam_width > self.max_beam_width:
+            raise ValueError(f"option default_beam_width: got {self.default_beam_width}, must be <= "
+                             f"max_beam_width={self.max_beam_width}")
+        if self.max_beam_width > self.max_beams_per_batch:
+            raise ValueError(f"option max_beam_width: got {self.max_beam_width}, must be <= "
+                             f"max_beams_per_batch={self.max_beams_per_batch}")
+        if not (isinstance(self.max_memory_utilization, (int, float))
+                and 0 < self.max_memory_utilization <= 1):
+            raise ValueError(f"option max_memory_utilization: got {self.max_memory_utilization!r}, "
+                             "allowed: 0 < value <= 1")
+        if self.retain_host_memory is not None and not isinstance(self.retain_host_memory, bool):
+            raise ValueError(f"option retain_host_memory: got {self.retain_host_memory!r}, "
+                             "allowed: true, false, or None (where the engine owns its process)")
+        if self.normalize not in ("allowed", "full"):
+            raise ValueError(f"option normalize: got {self.normalize!r}, allowed: 'allowed', 'full'")
+        if self.dtype not in ("auto",) + DTYPES:
+            raise ValueError(f"option dtype: got {self.dtype!r}, allowed: 'auto', {', '.join(DTYPES)}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"option device: got {self.device!r}, allowed: 'auto', 'cpu', 'cuda', 'cuda:N'")
+        if not (isinstance(self.batch_wait_ms, (int, float)) and 0 <= self.batch_wait_ms <= 60_000):
+            raise ValueError(f"option batch_wait_ms: got {self.batch_wait_ms!r}, allowed: [0, 60000]")
+        prefix = self.generation_prefix
+        if prefix is not None and not isinstance(prefix, str):
+            if isinstance(prefix, list):
+                object.__setattr__(self, "generation_prefix", tuple(prefix))
+                prefix = self.generation_prefix
+            if not (isinstance(prefix, tuple) and all(isinstance(i, int) and not isinstance(i, bool)
+                                                      for i in prefix)):
+                raise ValueError(f"option generation_prefix: got {prefix!r}, allowed: text, a list of "
+                                 "token ids, or None")
+        if self.request_timeout_ms is not None and not (
+                isinstance(self.request_timeout_ms, (int, float)) and self.request_timeout_ms > 0):
+            raise ValueError(f"option request_timeout_ms: got {self.request_timeout_ms!r}, "
+                             "expected a positive number or None")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """One flag per field, the same name with dashes (`--max-concurrency`), default unset."""
+        group = parser.add_argument_group("engine options")
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            if f.name == "generation_prefix":
+                group.add_argument(flag, type=parse_generation_prefix, default=None,
+                                   metavar="TEXT|[IDS]",
+                                   help="decoder-only models: appended to every prompt, as text "
+                                   "(e.g. '<|sid_begin|>') or a JSON list of token ids")
+            elif f.type in ("bool | None", "bool"):
+                group.add_argument(flag, type=_parse_bool, default=None, metavar="true|false")
+            elif "int" in str(f.type):
+                group.add_argument(flag, type=int, default=None)
+            elif "float" in str(f.type):
+                group.add_argument(flag, type=float, default=None)
+            else:
+                group.add_argument(flag, default=None)
+
+    @classmethod
+    def kwargs_from_cli(cls, args: argparse.Namespace) -> dict[str, Any]:
+        """The options given on the command line (`add_cli_args`), as keyword arguments;
+        unset flags are left out, so they keep their defaults."""
+        return {f.name: getattr(args, f.name) for f in fields(cls)
+                if getattr(args, f.name, None) is not None}
+
+    @classmethod
+    def from_kwargs(cls, **options: Any) -> "EngineOptions":
+        unknown = sorted(set(options) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; allowed: "
+                             f"{sorted(f.name for f in fields(cls))}")
+        return cls(**options)
+
+
+def _check_range(name: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"option {name}: got {value!r}, allowed: an integer in [{low}, {high}]")
+
+
+def parse_generation_prefix(text: str) -> str | tuple[int, ...]:
+    """A `--generation-prefix` value: text, or a JSON list of token ids ("[151669]")."""
+    if not text.startswith("["):
+        return text
+    try:
+        ids = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected text or a JSON list of token ids, got {text!r}") from None
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of token ids, got {text!r}")
+    return tuple(ids)
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")

@@ -1,0 +1,253 @@
+"""Decoder-only model configuration: Hugging Face `qwen2` / `qwen3` / `qwen3_moe` config.json.
+
+No torch import here. `QwenConfig.from_dict` reads the keys of
+spec/decoder-only.md with Hugging Face's defaults; settings xrec does not
+implement (rope scaling, sliding windows, another activation) are refused with
+a message naming the key. `to_dict` writes a config.json that Hugging Face
+loads as the same model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from xrec.config.keys import check_positive, dtype_name, get_key
+
+MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe")
+_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+@dataclass(frozen=True)
+class QwenConfig:
+    """A Qwen causal LM's shape. `num_experts` 0 means dense (qwen2, qwen3)."""
+
+    model_type: str = "qwen3"
+    vocab_size: int = 151936
+    hidden_size: int = 1024
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 28
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False          # qwen3: bias on q, k, v and o (qwen2: q, k, v always)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)
+    torch_dtype: str = "bfloat16"
+
+    # what the search and the edge need to know of a family
+    is_encoder_decoder = False
+    accepts_embeddings = False   # inputs are token ids (a prompt), never embeddings
+    decoder_start_len = 0        # the prompt is the whole shared prefix: no BOS row
+
+    def __post_init__(self) -> None:
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"config key 'model_type': got {self.model_type!r}, allowed: "
+                             f"{', '.join(MODEL_TYPES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings", "decoder_sparse_step"):
+            check_positive(name, getattr(self, name))
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"config key 'num_key_value_heads': got {self.num_key_value_heads}, which "
+                             f"does not divide num_attention_heads={self.num_attention_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"config key 'head_dim': got {self.head_dim}, RoPE needs an even head_dim")
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            raise ValueError(f"config key 'rope_theta': got {self.rope_theta!r}, expected a number > 0")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"config key 'rms_norm_eps': got {self.rms_norm_eps!r}, expected > 0")
+        if self.model_type == "qwen3_moe":
+            check_positive("num_experts", self.num_experts)
+            check_positive("moe_intermediate_size", self.moe_intermediate_size)
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"config key 'num_experts_per_tok': got {self.num_experts_per_tok}, "
+                                 f"expected 1 <= num_experts_per_tok <= num_experts={self.num_experts}")
+        elif self.num_experts:
+            raise ValueError(f"config key 'num_experts': got {self.num_experts} for model_type "
+                             f"{self.model_type!r}; experts need model_type 'qwen3_moe'")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"config key 'mlp_only_layers': layer {bad[0]} is not in "
+                             f"[0, {self.num_hidden_layers - 1}]")
+
+    # ---- what the model code asks -------------------------------------------
+
+    @property
+    def d_model(self) -> int:
+        return self.hidden_size
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.model_type == "qwen2" or self.attention_bias
+
+    @property
+    def has_o_bias(self) -> bool:
+        return self.model_type != "qwen2" and self.attention_bias
+
+    @property
+    def has_qk_norm(self) -> bool:
+        return self.model_type != "qwen2"
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Hugging Face's rule: experts unless listed in mlp_only_layers, every sparse_step-th layer."""
+        return (self.num_experts > 0 and index not in self.mlp_only_layers
+                and (index + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings
+
+    @property
+    def beam_kv_shape(self) -> tuple[int, int, int]:
+        """(layers, kv heads, head dim) of the per-beam K/V."""
+        return self.num_hidden_layers, self.num_key_value_heads, self.head_dim
+
+    @property
+    def num_parameters(self) -> int:
+        d, heads, kv, hd = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        attn = d * hd * (2 * heads + 2 * kv) + (2 * hd if self.has_qk_norm else 0)
+        attn += hd * (heads + 2 * kv) if self.has_qkv_bias else 0
+        attn += d if self.has_o_bias else 0
+        total = self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + d
+        for index in range(self.num_hidden_layers):
+            if self.is_moe_layer(index):
+                ffn = d * self.num_experts + 3 * d * self.moe_intermediate_size * self.num_experts
+            else:
+                ffn = 3 * d * self.intermediate_size
+            total += attn + ffn + 2 * d
+        return total
+
+    # ---- workspace estimate (bytes; see search/workspace.py) ----------------------
+
+    def _ffn_width(self) -> int:
+        dense = self.intermediate_size
+        moe = self.moe_intermediate_size * self.num_experts_per_tok if self.num_experts else 0
+        return max(dense, moe)
+
+    def context_bytes(self, num_requests: int, max_input_len: int, max_prefix_len: int,
+                      elem: int) -> int:
+        """Round 0: prompt activations, causal attention scores, the prompt K/V kept for all rounds."""
+        tokens = num_requests * max_input_len
+        d, heads = self.hidden_size, self.num_attention_heads
+        kv_width = self.num_key_value_heads * self.head_dim
+        activations = tokens * (6 * d + 3 * self._ffn_width()) * elem
+        scores = num_requests * heads * max_input_len * max_input_len * 4
+        prompt_kv = self.num_hidden_layers * 2 * tokens * kv_width * elem
+        return activations + scores + prompt_kv
+
+    def decode_bytes(self, num_beams: int, max_input_len: int, elem: int) -> int:
+        """One decode round of `num_beams` beams in all: activations and shared-stage scores."""
+        d = self.hidden_size
+        return (num_beams * (8 * d + 3 * self._ffn_width()) * elem
+                + num_beams * self.num_attention_heads * max_input_len * 4)
+
+    # ---- config.json ---------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "QwenConfig":
+        model_type = raw.get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"config key 'model_type': got {model_type!r}, allowed: "
+                             f"{', '.join(MODEL_TYPES)}")
+        _refuse_unsupported(raw)
+        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                    "intermediate_size"):
+            if key not in raw:
+                raise ValueError(f"config key {key!r} is missing (required for {model_type})")
+        heads = get_key(raw, "num_attention_heads", 16, int)
+        hidden = get_key(raw, "hidden_size", 1024, int)
+        out: dict[str, Any] = dict(
+            model_type=model_type,
+            vocab_size=get_key(raw, "vocab_size", 151936, int),
+            hidden_size=hidden,
+            intermediate_size=get_key(raw, "intermediate_size", 3072, int),
+            num_hidden_layers=get_key(raw, "num_hidden_layers", 28, int),
+            num_attention_heads=heads,
+            num_key_value_heads=get_key(raw, "num_key_value_heads", heads, int),
+            head_dim=get_key(raw, "head_dim", hidden // heads if hidden % heads == 0 else 0, int),
+            rms_norm_eps=get_key(raw, "rms_norm_eps", 1e-6, float),
+            rope_theta=_rope_theta(raw),
+            max_position_embeddings=get_key(raw, "max_position_embeddings", 32768, int),
+            tie_word_embeddings=get_key(raw, "tie_word_embeddings", False, bool),
+            attention_bias=get_key(raw, "attention_bias", False, bool) if model_type != "qwen2" else False,
+            torch_dtype=dtype_name(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+        )
+        if model_type == "qwen3_moe":
+            # transformers 5 writes num_local_experts; released checkpoints say num_experts
+            experts_key = "num_experts" if "num_experts" in raw else "num_local_experts"
+            layers = raw.get("mlp_only_layers") or []
+            if not isinstance(layers, list) or not all(isinstance(i, int) for i in layers):
+                raise ValueError(f"config key 'mlp_only_layers': got {layers!r}, expected a list "
+                                 "of layer indices")
+            out.update(num_experts=get_key(raw, experts_key, 128, int),
+                       num_experts_per_tok=get_key(raw, "num_experts_per_tok", 8, int),
+                       moe_intermediate_size=get_key(raw, "moe_intermediate_size", 768, int),
+                       norm_topk_prob=get_key(raw, "norm_topk_prob", False, bool),
+                       decoder_sparse_step=get_key(raw, "decoder_sparse_step", 1, int),
+                       mlp_only_layers=tuple(layers))
+        return cls(**out)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Hugging Face config.json keys (transformers 4.x and 5.x load it as this model)."""
+        d = asdict(self)
+        out = {"architectures": [_ARCHITECTURES[self.model_type]], "hidden_act": "silu",
+               "rope_scaling": None, "use_sliding_window": False, "sliding_window": None,
+               "bos_token_id": None, "eos_token_id": None, **d}
+        out["mlp_only_layers"] = list(self.mlp_only_layers)
+        if self.model_type != "qwen3_moe":
+            for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                        "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):
+                del out[key]
+        if self.model_type == "qwen2":
+            del out["attention_bias"]
+        return out
+
+    def replace(self, **changes: Any) -> "QwenConfig":
+        d = asdict(self)
+        d.update(changes)
+        return QwenConfig(**d)
+
+
+def _rope_theta(raw: dict[str, Any]) -> float:
+    """`rope_theta`, or transformers 5's `rope_parameters.rope_theta` (the same value)."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params and "rope_theta" not in raw:
+        return get_key(params, "rope_theta", 10000.0, float)
+    return get_key(raw, "rope_theta", 10000.0, float)
+
+
+def _refuse_unsupported(raw: dict[str, Any]) -> None:
+    """Settings that change the network in ways xrec does not implement: a clear error each."""
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config key 'hidden_act': got {act!r}, allowed: 'silu'")
+    scaling = raw.get("rope_scaling")
+    if scaling not in (None, {}) and not (isinstance(scaling, dict)
+                                           and scaling.get("rope_type", scaling.get("type")) == "default"):
+        raise ValueError(f"config key 'rope_scaling': got {scaling!r}; xrec implements plain RoPE "
+                         "only (rope_scaling null)")
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and params.get("rope_type", "default") != "default":
+        raise ValueError(f"config key 'rope_parameters.rope_type': got {params.get('rope_type')!r}, "
+                         "allowed: 'default' (plain RoPE)")
+    if raw.get("use_sliding_window"):
+        raise ValueError("config key 'use_sliding_window': got true; xrec implements full attention "
+                         "only (use_sliding_window false)")
+    layer_types = raw.get("layer_types")
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise ValueError(f"config key 'layer_types': got {sorted(set(layer_types))}, allowed: "
+                         "'full_attention' only")
+    if raw.get("shared_expert_intermediate_size"):
+        raise ValueError("config key 'shared_expert_intermediate_size': shared experts are not part "
+                         "of qwen3_moe; xrec does not implement them")

@@ -1,0 +1,65 @@
+"""`xrec eval`: trained models and baselines on a dataset's leave-one-out split.
+
+    xrec eval --data {ml-1m,ml-100k,PATH} [--model DIR ...] [--out DIR] [--beam-width N]
+              [--baselines most-popular,item-knn,sasrec] [--stage {test,valid}]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+__all__ = ["add_eval_parser"]
+
+
+def add_eval_parser(subparsers) -> argparse.ArgumentParser:
+    from xrec.realdata.evaluate.run import BASELINES, EvalOptions
+
+    defaults = EvalOptions()
+    ev = subparsers.add_parser(
+        "eval", help="HR@k / NDCG@k of trained models and baselines on a dataset",
+        description="Leave-one-out, ranking over all items, with and without the items a user "
+                    "has already seen. Writes eval.json, eval.md, eval.png and "
+                    "predictions.jsonl (the first model's ranking per test user).")
+    ev.add_argument("--data", required=True, help="ml-1m, ml-100k, or an interaction file")
+    ev.add_argument("--model", action="append", default=[], help="a model directory of "
+                    "`xrec train` (repeatable; default: those under $XREC_HOME/runs/<dataset>)")
+    ev.add_argument("--out", help="output directory (default: $XREC_HOME/runs/<dataset>/eval)")
+    ev.add_argument("--stage", choices=("test", "valid"), default=defaults.stage)
+    ev.add_argument("--beam-width", type=int, default=defaults.beam_width,
+                    help=f"beam width = results per user (default {defaults.beam_width})")
+    ev.add_argument("--normalize", choices=("allowed", "full"), default=defaults.normalize)
+    ev.add_argument("--baselines", default=",".join(defaults.baselines),
+                    help=f"comma-separated among {', '.join(BASELINES)}, or 'none'")
+    ev.add_argument("--sasrec-minutes", type=float, default=defaults.sasrec_minutes,
+                    help="SASRec's training time budget")
+    ev.add_argument("--seed", type=int, default=defaults.seed)
+    ev.add_argument("--no-progress", action="store_true")
+    ev.set_defaults(run=run_eval)
+    return ev
+
+
+def trained_models(run: Path) -> list[Path]:
+    """The finished model directories of `xrec train` under a run directory."""
+    from xrec.realdata.ranking import PROMPT_FILE
+    return sorted(d for d in run.iterdir() if (d / PROMPT_FILE).is_file()) if run.is_dir() else []
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from xrec.realdata.data import leave_one_out, load_dataset
+    from xrec.realdata.evaluate.run import EvalOptions, evaluate
+    from xrec.realdata.train.cli import run_dir
+
+    baselines = () if args.baselines == "none" else tuple(
+        b.strip() for b in args.baselines.split(",") if b.strip())
+    options = EvalOptions(stage=args.stage, beam_width=args.beam_width, normalize=args.normalize,
+                          baselines=baselines, sasrec_minutes=args.sasrec_minutes, seed=args.seed)
+    models = [Path(m) for m in args.model] or trained_models(run_dir(args.data))
+    if not models and not baselines:
+        raise ValueError("nothing to evaluate: no --model, no model under the run directory, "
+                         "and --baselines none")
+    split = leave_one_out(load_dataset(args.data))
+    out = Path(args.out) if args.out else run_dir(args.data) / "eval"
+    evaluate(split, models, out, options, progress=not args.no_progress)
+    print(f"wrote {out}/eval.md, eval.json, eval.png, predictions.jsonl")
+    return 0

@@ -1,0 +1,182 @@
+"""`xrec eval`: trained generative models and the baselines ranked on the same split, the
+metrics of the fixed protocol (docs/real-data.md) with and without already-seen items, the
+published figures beside them; written as JSON, Markdown, a PNG and `predictions.jsonl`."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from xrec.realdata.data import Split
+from xrec.realdata.data.metrics import metrics_table, ranking_metrics, remove_seen
+
+__all__ = ["EvalOptions", "PUBLISHED", "evaluate"]
+
+KS = (5, 10, 50)
+BASELINES = ("most-popular", "item-knn", "sasrec")
+# meta-recsys/generative-recommenders README: raw ML-1M, 3,706 items, leave-one-out, full ranking
+PUBLISHED = {"ml-1m": {"SASRec (published)": {"hr@10": 0.2853, "ndcg@10": 0.1603},
+                       "HSTU (published)": {"hr@10": 0.3097, "ndcg@10": 0.1720}}}
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    stage: str = "test"
+    beam_width: int = 128          # >= 50: HR@50 needs 50 items after the seen ones are gone
+    normalize: str = "full"
+    baselines: tuple[str, ...] = ("most-popular", "item-knn", "sasrec")
+    sasrec_minutes: float = 8.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.beam_width < max(KS):
+            raise ValueError(f"beam_width: got {self.beam_width}, expected >= {max(KS)} "
+                             f"(HR@{max(KS)} needs that many items)")
+        if self.stage not in ("valid", "test"):
+            raise ValueError(f"stage: got {self.stage!r}, expected 'valid' or 'test'")
+        if self.normalize not in ("allowed", "full"):
+            raise ValueError(f"normalize: got {self.normalize!r}, expected 'allowed' or 'full'")
+        unknown = set(self.baselines) - set(BASELINES)
+        if unknown:
+            raise ValueError(f"baselines: unknown {sorted(unknown)}, allowed: "
+                             f"{', '.join(BASELINES)}")
+
+
+def evaluate(split: Split, model_dirs: list[Path], out_dir: Path, options: EvalOptions,
+             progress: bool = True, log=print) -> dict:
+    """Ranks `options.stage` for every user with a target; returns and writes the report."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    users = np.flatnonzero(split.targets(options.stage) >= 0)
+    targets = split.targets(options.stage)[users]
+    everyone = split.history(options.stage)
+    histories = [everyone[u] for u in users]
+    k = max(KS)
+    rows: dict[str, dict] = {}
+    timings: dict[str, float] = {}
+    rankings: dict[str, np.ndarray] = {}
+    for model_dir in model_dirs:
+        name = _model_name(model_dir)
+        started = time.perf_counter()
+        ranked = _rank_generative(split, model_dir, options, users, progress)
+        timings[name] = time.perf_counter() - started
+        rankings[name] = ranked[:, :k]
+        rows[name] = ranking_metrics(ranked[:, :k], targets, KS)
+        rows[name + ", seen removed"] = ranking_metrics(remove_seen(ranked, histories, k),
+                                                        targets, KS)
+        log(f"{name}: HR@10 {rows[name]['hr@10']:.4f}, NDCG@10 {rows[name]['ndcg@10']:.4f} "
+            f"({timings[name]:.1f} s, {len(users) / timings[name]:.0f} users/s)")
+    for name in options.baselines:
+        started = time.perf_counter()
+        both = _rank_baseline(name, split, options, k, progress)
+        timings[name] = time.perf_counter() - started
+        for exclude, ranked in zip((False, True), both):
+            rows[name + (", seen removed" if exclude else "")] = \
+                ranking_metrics(ranked[users], targets, KS)
+        log(f"{name}: HR@10 {rows[name]['hr@10']:.4f} ({timings[name]:.1f} s)")
+    report = {"dataset": split.data.name, "stage": options.stage, "users": int(len(users)),
+              "items": split.data.num_items, "options": _jsonable(options.__dict__),
+              "metrics": rows, "seconds": {n: round(t, 2) for n, t in timings.items()},
+              "published": PUBLISHED.get(split.data.name, {}),
+              "models": {_model_name(d): str(d) for d in model_dirs}}
+    _write(out_dir, report, split, users, targets, rankings, model_dirs)
+    return report
+
+
+def _model_name(model_dir: Path) -> str:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    family = "xrec " + ("qwen3" if config.get("model_type", "").startswith("qwen") else "onerec")
+    return f"{family} ({Path(model_dir).name})"
+
+
+def _rank_generative(split, model_dir, options: EvalOptions, users, progress) -> np.ndarray:
+    from tqdm import tqdm
+
+    from xrec.realdata.ranking import GenerativeRanker
+
+    ranker = GenerativeRanker.open(model_dir, split.data.num_items)
+    bar = tqdm(total=len(users), desc=f"eval {Path(model_dir).name}", unit="user",
+               disable=not progress, dynamic_ncols=True)
+    try:
+        return ranker.rank(split, options.stage, options.beam_width, options.beam_width,
+                           normalize=options.normalize, users=users, bar=bar)
+    finally:
+        bar.close()
+        ranker.close()
+
+
+def _rank_baseline(name: str, split: Split, options: EvalOptions, k: int, progress: bool):
+    """(ranking with seen items, ranking without), each [num_users, k]."""
+    if name == "sasrec":
+        from xrec.realdata.train.sasrec import SASRecConfig, rank_sasrec, train_sasrec
+        model = train_sasrec(split, SASRecConfig(seed=options.seed,
+                                                 max_seconds=60 * options.sasrec_minutes),
+                             progress=progress)
+        return (rank_sasrec(model, split, options.stage, k),
+                rank_sasrec(model, split, options.stage, k, exclude_seen=True))
+    from xrec.realdata.data.baselines import rank_baseline
+    return (rank_baseline(name, split, options.stage, k),
+            rank_baseline(name, split, options.stage, k, exclude_seen=True))
+
+
+def _write(out_dir: Path, report: dict, split: Split, users, targets, rankings, model_dirs):
+    rows = {**report["metrics"], **report["published"]}
+    columns = ("hr@5", "hr@10", "ndcg@10", "hr@50", "ndcg@50")
+    table = metrics_table({n: {c: m.get(c) for c in columns} for n, m in rows.items()})
+    (out_dir / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / "eval.md").write_text(
+        f"## {report['dataset']}: {report['stage']} stage, {report['users']:,} users, ranking "
+        f"over all {report['items']:,} items\n\n{table}\n")
+    item_ids, user_ids = split.data.item_ids, split.data.user_ids
+    for index, (name, ranked) in enumerate(rankings.items()):
+        path = out_dir / ("predictions.jsonl" if index == 0 else
+                          f"predictions-{Path(model_dirs[index]).name}.jsonl")
+        with open(path, "w") as f:
+            for u, t, row in zip(users, targets, ranked):
+                f.write(json.dumps({"user_id": user_ids[u], "target": item_ids[t],
+                                    "ranked": [item_ids[i] for i in row if i >= 0]}) + "\n")
+    _plot(out_dir / "eval.png", report, model_dirs)
+    print(table)
+
+
+def _plot(path: Path, report: dict, model_dirs) -> None:
+    """Left: HR@10 and NDCG@10 per method (no seen removal; published figures hatched).
+    Right: each trained model's validation HR@10 per epoch."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = {n: m for n, m in report["metrics"].items() if "seen removed" not in n}
+    rows.update(report["published"])
+    fig, (bars, curves) = plt.subplots(1, 2, figsize=(12, 4.5))
+    x = np.arange(len(rows))
+    for offset, metric in ((-0.2, "hr@10"), (0.2, "ndcg@10")):
+        values = [m[metric] for m in rows.values()]
+        drawn = bars.bar(x + offset, values, 0.4, label=metric.upper())
+        for bar, name in zip(drawn, rows):
+            if name in report["published"]:
+                bar.set_hatch("//")
+    bars.set_xticks(x, list(rows), rotation=25, ha="right", fontsize=8)
+    bars.set_title(f"{report['dataset']}, {report['stage']}: {report['users']:,} users")
+    bars.legend()
+    for model_dir in model_dirs:
+        train_report = Path(model_dir) / "train_report.json"
+        if train_report.is_file():
+            history = json.loads(train_report.read_text())["history"]
+            curves.plot([h["epoch"] for h in history], [h["valid_hr@10"] for h in history],
+                        marker="o", label=_model_name(model_dir))
+    curves.set_xlabel("epoch")
+    curves.set_ylabel("validation HR@10")
+    curves.set_title("training")
+    if curves.lines:
+        curves.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _jsonable(d: dict) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}

@@ -1,0 +1,77 @@
+"""Rankings of a generative model through the normal `Engine` API: one constrained
+beam-search request per user, its candidates' items in score order."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from xrec.api_types import RecRequest
+from xrec.realdata.data import DataError, Split
+from xrec.realdata.sequences import SidVocabulary, prompts
+
+__all__ = ["GenerativeRanker", "ranked_items", "PROMPT_FILE"]
+
+PROMPT_FILE = "xrec_prompt.json"   # in a trained model's directory: how its prompts are made
+
+
+@dataclass
+class GenerativeRanker:
+    """An engine over a trained model directory, and that model's prompt format."""
+
+    engine: object
+    vocab: SidVocabulary
+    max_items: int
+
+    @classmethod
+    def open(cls, model_dir: str | Path, num_items: int, **engine_options) -> GenerativeRanker:
+        from xrec import Engine
+
+        model_dir = Path(model_dir)
+        spec_path = model_dir / PROMPT_FILE
+        if not spec_path.is_file():
+            raise DataError(f"{model_dir} has no {PROMPT_FILE}: not a model of `xrec train`")
+        spec = json.loads(spec_path.read_text())
+        vocab = SidVocabulary.read(model_dir, num_items)
+        return cls(Engine.from_pretrained(model_dir, isolation="thread",
+                                          **engine_options), vocab, spec["max_items"])
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def rank(self, split: Split, stage: str, k: int, beam_width: int, normalize: str = "full",
+             exclude_seen: bool = False, users: np.ndarray | None = None,
+             chunk: int = 256, bar=None) -> np.ndarray:
+        """int64 `[len(users), k]` item indices, best first, -1 where fewer than k items
+        came back; `users` default: every user with a target at `stage`."""
+        histories = split.history(stage)
+        if users is None:
+            users = np.flatnonzero(split.targets(stage) >= 0)
+        out = np.full((len(users), k), -1, dtype=np.int64)
+        for start in range(0, len(users), chunk):
+            part = users[start:start + chunk]
+            requests = [RecRequest(token_ids=p, beam_width=beam_width,
+                                   num_return_sequences=beam_width, normalize=normalize)
+                        for p in prompts(self.vocab, [histories[u] for u in part], self.max_items)]
+            for row, (u, response) in enumerate(zip(part, self.engine.recommend(requests))):
+                seen = histories[u] if exclude_seen else ()
+                out[start + row] = ranked_items(response, k, seen)
+            if bar is not None:
+                bar.update(len(part))
+        return out
+
+
+def ranked_items(response, k: int, seen=()) -> np.ndarray:
+    """The first k distinct items of a response's candidates (best first; the items of one
+    semantic ID in catalog order), without `seen`; padded with -1."""
+    ranked, taken = [], set(int(i) for i in seen)
+    for candidate in response.results:
+        for item in candidate.items:
+            if item.item_id not in taken:
+                taken.add(item.item_id)
+                ranked.append(item.item_id)
+    ranked = ranked[:k]
+    return np.array(ranked + [-1] * (k - len(ranked)), dtype=np.int64)

@@ -1,0 +1,113 @@
+"""Interaction histories as itemic-token sequences: the one prompt format that training,
+validation, `xrec eval` and a client of the served model share, and the training batches of
+both families.
+
+Prompt format: `<|endoftext|>` then the semantic-ID tokens of the user's last `max_items`
+items, oldest first (3 tokens per item, no separators). The model's answer is the next
+item's 3 tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from xrec.catalog import ItemCatalog
+from xrec.realdata.data import DataError
+from xrec.catalog.sid_vocab import SidLayout
+
+__all__ = ["IGNORE", "SidVocabulary", "causal_windows", "collate", "prompts", "seq2seq_samples"]
+
+IGNORE = -100              # label of a position without a loss (torch's cross_entropy default)
+BOS_TOKEN = "<|endoftext|>"
+
+
+@dataclass(frozen=True, eq=False)
+class SidVocabulary:
+    """The semantic IDs of `xrec sid build`: the token layout and each item's 3 token ids."""
+
+    directory: Path
+    layout: SidLayout
+    item_tokens: np.ndarray        # int64 [num_items, 3], row = item index
+
+    @classmethod
+    def read(cls, sid_dir: str | Path, num_items: int) -> SidVocabulary:
+        """Reads `sid_report.json` and the catalog of a sid directory; every item index in
+        [0, num_items) must have an ID."""
+        sid_dir = Path(sid_dir)
+        report_path = sid_dir / "sid_report.json"
+        if not report_path.is_file():
+            raise DataError(f"{sid_dir} is not a semantic-ID directory (no sid_report.json): "
+                            f"run `xrec sid build` first")
+        report = json.loads(report_path.read_text())
+        layout = SidLayout(num_base_tokens=report["num_base_tokens"],
+                           codebook_size=report["codebook_size"])
+        catalog = ItemCatalog.from_model_dir(sid_dir, layout.vocab_size)
+        ids = catalog.item_ids
+        if len(ids) != num_items or not np.array_equal(np.sort(ids), np.arange(num_items)):
+            raise DataError(f"{sid_dir}: its catalog has {len(ids)} items, the data has "
+                            f"{num_items}: the IDs were built from other data")
+        tokens = np.empty((num_items, 3), dtype=np.int64)
+        tokens[ids] = catalog.triples
+        return cls(sid_dir, layout, tokens)
+
+    @property
+    def bos_id(self) -> int:
+        return self.layout.first_special_id   # <|endoftext|>, Qwen3's first special token
+
+    @property
+    def vocab_size(self) -> int:
+        return self.layout.vocab_size
+
+
+def prompts(vocab: SidVocabulary, histories, max_items: int) -> list[list[int]]:
+    """The prompt token ids of each history (item indices, time order): BOS, then the tokens
+    of its last `max_items` items."""
+    return [[vocab.bos_id, *vocab.item_tokens[h[-max_items:]].ravel().tolist()]
+            for h in histories]
+
+
+def causal_windows(vocab: SidVocabulary, train, max_items: int) -> list[np.ndarray]:
+    """Decoder-only training sequences: each user's training items cut into windows of at
+    most `max_items` items aligned to the end (the last window ends at the user's last
+    training item, as the prompts of validation and test do), each window BOS + its items'
+    tokens. Every token after BOS is a target: one pass trains every position."""
+    out = []
+    for items in train:
+        for end in range(len(items), 0, -max_items):
+            window = items[max(0, end - max_items):end]
+            out.append(np.concatenate(([vocab.bos_id], vocab.item_tokens[window].ravel())))
+    return out
+
+
+def seq2seq_samples(vocab: SidVocabulary, train, max_items: int, per_user: int,
+                    rng: np.random.Generator) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Encoder-decoder training pairs for one epoch: per user, `per_user` target positions
+    drawn without replacement among items 1.. of its training sequence (always including the
+    last), each (prompt of the items before it, the target's 3 tokens)."""
+    out = []
+    for items in train:
+        if len(items) < 2:
+            continue
+        candidates = np.arange(1, len(items) - 1)
+        take = min(per_user - 1, len(candidates))
+        positions = np.append(rng.choice(candidates, take, replace=False), len(items) - 1)
+        for t in positions:
+            history = items[max(0, t - max_items):t]
+            out.append((np.concatenate(([vocab.bos_id], vocab.item_tokens[history].ravel())),
+                        vocab.item_tokens[items[t]]))
+    return out
+
+
+def collate(sequences: list[np.ndarray], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded int64 `[B, T]` ids and the attention mask (1 = real token)."""
+    width = max(len(s) for s in sequences)
+    ids = np.full((len(sequences), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(sequences), width), dtype=np.int64)
+    for row, s in enumerate(sequences):
+        ids[row, :len(s)] = s
+        mask[row, :len(s)] = 1
+    return ids, mask

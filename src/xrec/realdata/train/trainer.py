@@ -1,0 +1,218 @@
+"""`xrec train`: teacher-forced cross-entropy on itemic-token sequences, validation HR@10
+through the serving engine after each epoch, early stopping, resumable checkpoints.
+
+Files: the run works in `OUT.partial/` (`last/`: the latest epoch, a servable model directory;
+`optimizer.safetensors`: its optimizer state; `best/`: the best epoch so far; `state.json`: where the run
+stands, written last). A killed run started again with the same options continues after its
+last finished epoch. When training ends, `best/` becomes `OUT` (renamed whole: `OUT` never
+exists half-written) and `OUT.partial/` is deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from xrec.realdata.data import DataError, Split
+from xrec.realdata.train.models import TrainableModel, batches, model_config
+from xrec.realdata.train.options import TrainOptions
+from xrec.realdata.sequences import SidVocabulary, causal_windows, seq2seq_samples
+
+__all__ = ["TrainOptions", "train"]
+
+
+def train(split: Split, sid_dir: str | Path, out_dir: str | Path, options: TrainOptions,
+          progress: bool = True, log=print, threads: int | None = None) -> dict:
+    """Trains a model on `split`'s training part and writes it to `out_dir` (with the
+    semantic-ID files of `sid_dir`, so `xrec serve` loads it as it is). Returns the report
+    also written to `out_dir/train_report.json`. `threads`: torch's intra-op threads for
+    training and validation (default: torch's; small models train faster on one)."""
+    options.check()
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise ValueError(f"{out_dir} exists: choose another --out or delete it")
+    vocab = SidVocabulary.read(sid_dir, split.data.num_items)
+    config = model_config(options.family, vocab.vocab_size, options.hidden, options.layers,
+                          options.heads, 3 * options.max_items + 8, vocab.bos_id)
+    work = out_dir.with_name(out_dir.name + ".partial")
+    run = _Run(split, vocab, config, options, work, log, threads)
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        run.resume_or_start()
+        run.fit(progress)
+    finally:
+        torch.set_num_threads(previous)
+    report = run.report()
+    (work / "best" / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (work / "best").rename(out_dir)
+    shutil.rmtree(work, ignore_errors=True)
+    return report
+
+
+class _Run:
+    def __init__(self, split, vocab, config, options: TrainOptions, work: Path, log, threads):
+        self.split, self.vocab, self.config, self.options = split, vocab, config, options
+        self.work, self.log, self.threads = work, log, threads
+        self.model = TrainableModel.create(config, options.seed)
+        params = list(self.model.hf.parameters())
+        decay = [p for p in params if p.dim() >= 2]
+        rest = [p for p in params if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": options.weight_decay},
+             {"params": rest, "weight_decay": 0.0}], lr=options.lr)
+        self.params = params
+        self.epoch, self.step, self.history, self.best = 0, 0, [], None
+        self.elapsed, self.stale = 0.0, 0
+        rng = np.random.default_rng(options.seed)
+        users = np.flatnonzero(split.valid >= 0)
+        if options.valid_users and len(users) > options.valid_users:
+            users = np.sort(rng.choice(users, options.valid_users, replace=False))
+        self.valid_users = users
+        self.steps_per_epoch = math.ceil(len(self.examples(0)) / options.batch_size)
+
+    # ---- the data of an epoch ------------------------------------------------------------
+    def examples(self, epoch: int) -> list:
+        o = self.options
+        if self.config.is_encoder_decoder:
+            rng = np.random.default_rng([o.seed, epoch, 1])
+            return seq2seq_samples(self.vocab, self.split.train, o.max_items,
+                                   o.samples_per_user, rng)
+        return causal_windows(self.vocab, self.split.train, o.max_items)
+
+    def learning_rate(self, step: int) -> float:
+        """Linear warm-up, then cosine decay to 0 over all epochs."""
+        total = self.options.epochs * self.steps_per_epoch
+        warm = min(self.options.warmup_steps, total // 10 + 1)
+        if step < warm:
+            return self.options.lr * (step + 1) / warm
+        return self.options.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
+
+    # ---- resume --------------------------------------------------------------------------
+    def resume_or_start(self) -> None:
+        state_path = self.work / "state.json"
+        if not state_path.is_file():
+            shutil.rmtree(self.work, ignore_errors=True)
+            self.work.mkdir(parents=True)
+            return
+        state = json.loads(state_path.read_text())
+        if state["options"] != asdict(self.options) or state["sid_dir"] != str(self.vocab.directory):
+            raise ValueError(f"{self.work} holds an unfinished run with other options or "
+                             f"semantic IDs: delete it to start over, or train with its options "
+                             f"({state['options']})")
+        self.model.load_state(load_file(str(self.work / "last" / "model.safetensors")))
+        optimizer = load_file(str(self.work / "optimizer.safetensors"))
+        for i, p in enumerate(self.params):
+            if f"{i}.exp_avg" in optimizer:
+                self.optimizer.state[p] = {k: optimizer[f"{i}.{k}"]
+                                           for k in ("step", "exp_avg", "exp_avg_sq")}
+        self.epoch, self.step = state["epoch"], state["step"]
+        self.history, self.best = state["history"], state["best"]
+        self.elapsed, self.stale = state["elapsed_s"], state["stale"]
+        self.log(f"resuming {self.work} after epoch {self.epoch} (best validation HR@10 "
+                 f"{self.best and self.best['hr@10']})")
+
+    def checkpoint(self) -> None:
+        last = self.work / "last"
+        shutil.rmtree(last, ignore_errors=True)
+        self.model.save(last)
+        for f in self.vocab.directory.iterdir():
+            if f.is_file():
+                shutil.copy2(f, last / f.name)
+        from xrec.realdata.ranking import PROMPT_FILE
+        (last / PROMPT_FILE).write_text(json.dumps(
+            {"max_items": self.options.max_items, "format": "bos + 3 tokens per item"}) + "\n")
+        optimizer = {}
+        for i, p in enumerate(self.params):
+            for k, v in self.optimizer.state.get(p, {}).items():
+                optimizer[f"{i}.{k}"] = v.detach().clone()
+        save_file(optimizer, str(self.work / "optimizer.safetensors"))
+
+    def save_state(self) -> None:
+        state = {"options": asdict(self.options), "sid_dir": str(self.vocab.directory),
+                 "epoch": self.epoch, "step": self.step, "history": self.history,
+                 "best": self.best, "elapsed_s": self.elapsed, "stale": self.stale}
+        tmp = self.work / "state.json.tmp"
+        tmp.write_text(json.dumps(state, indent=1) + "\n")
+        tmp.rename(self.work / "state.json")
+
+    # ---- the loop ------------------------------------------------------------------------
+    def fit(self, progress: bool) -> None:
+        from tqdm import tqdm
+
+        o = self.options
+        while self.epoch < o.epochs and self.stale < o.patience and not self.out_of_time():
+            started = time.perf_counter()
+            rng = np.random.default_rng([o.seed, self.epoch])
+            torch.manual_seed(o.seed * 1000 + self.epoch)
+            epoch_batches = batches(self.examples(self.epoch), o.batch_size, rng)
+            bar = tqdm(epoch_batches, desc=f"epoch {self.epoch + 1}/{o.epochs}",
+                       disable=not progress, unit="batch", dynamic_ncols=True)
+            total_loss = total_targets = 0.0
+            for batch in bar:
+                for group in self.optimizer.param_groups:
+                    group["lr"] = self.learning_rate(self.step)
+                loss, targets = self.model.loss(batch)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+                self.optimizer.step()
+                self.step += 1
+                total_loss += float(loss.detach()) * targets
+                total_targets += targets
+                seconds = time.perf_counter() - started
+                bar.set_postfix(loss=f"{total_loss / total_targets:.3f}",
+                                tok_s=f"{total_targets / seconds:,.0f}")
+            bar.close()
+            self.epoch += 1
+            self.checkpoint()
+            hr = self.validate()
+            self.elapsed += time.perf_counter() - started
+            entry = {"epoch": self.epoch, "loss": total_loss / max(1, total_targets),
+                     "valid_hr@10": hr, "elapsed_s": round(self.elapsed, 1)}
+            self.history.append(entry)
+            if self.best is None or hr > self.best["hr@10"]:
+                self.best = {"epoch": self.epoch, "hr@10": hr}
+                self.stale = 0
+                shutil.rmtree(self.work / "best", ignore_errors=True)
+                shutil.copytree(self.work / "last", self.work / "best")
+            else:
+                self.stale += 1
+            self.save_state()
+            self.log(f"epoch {self.epoch}: loss {entry['loss']:.4f}, validation HR@10 {hr:.4f} "
+                     f"({len(self.valid_users)} users), {self.elapsed / 60:.1f} min")
+        if self.best is None:
+            raise DataError("no epoch finished")
+
+    def out_of_time(self) -> bool:
+        return bool(self.options.max_minutes) and self.elapsed > 60 * self.options.max_minutes
+
+    def validate(self) -> float:
+        from xrec.realdata.data.metrics import ranking_metrics
+        from xrec.realdata.ranking import GenerativeRanker
+
+        ranker = GenerativeRanker.open(self.work / "last", self.split.data.num_items,
+                                       device="cpu", num_threads=self.threads)
+        try:
+            ranked = ranker.rank(self.split, "valid", 10, self.options.valid_beam_width,
+                                 users=self.valid_users)
+        finally:
+            ranker.close()
+        targets = self.split.valid[self.valid_users]
+        return float(ranking_metrics(ranked, targets, ks=(10,))["hr@10"])
+
+    def report(self) -> dict:
+        return {"options": asdict(self.options), "config": self.config.to_dict(),
+                "sid_dir": str(self.vocab.directory), "dataset": self.split.data.name,
+                "epochs_run": self.epoch, "best": self.best, "history": self.history,
+                "train_minutes": round(self.elapsed / 60, 2),
+                "parameters": sum(p.numel() for p in self.params)}
