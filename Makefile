@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PORT   ?= 8000
 
-.PHONY: setup serve test bench mutate clean
+.PHONY: setup serve test lint bench mutate clean
 
 $(VENV)/.installed-%: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,13 +20,19 @@ setup: $(VENV)/.installed-test
 serve: $(VENV)/.installed-serve
 	$(VENV)/bin/xrec serve --port $(PORT) --verbose
 
-test: $(VENV)/.installed-test
+test: lint $(VENV)/.installed-test
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The architecture contracts ([tool.importlinter]) and the lint rules ([tool.ruff]); `make test`
+# runs both first, and either failing fails it.
+lint: $(VENV)/.installed-test
+	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/ruff check --no-cache src tests scripts
 
 bench: $(VENV)/.installed-bench
 	$(VENV)/bin/xrec bench $(BENCH_ARGS)
 
-# Mutation testing (DEVELOPERS.md): mutmut over search/, model/, catalog*, engine/ and the
+# Mutation testing (DEVELOPERS.md): mutmut over search/, model/, catalog/, engine/ and the
 # request schemas, with the fast tests only ([tool.mutmut] in pyproject.toml); not CI.
 # MUTANTS narrows it (mutmut's names, globs allowed): make mutate MUTANTS='xrec.search.*'
 # Results stay in mutants/; a second run re-checks only what changed.

@@ -202,7 +202,7 @@ def hf_models(tmp_path_factory):
 
 
 def test_hf_checkpoint_is_read_as_saved(hf_models):
-    for name, (hf, directory, model) in hf_models.items():
+    for name, (hf, _directory, model) in hf_models.items():
         cfg = model.config
         assert cfg.use_absolute_position_embedding == (name == "absolute")
         assert cfg.tie_word_embeddings == (name != "untied")

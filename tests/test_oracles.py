@@ -298,7 +298,7 @@ def test_beam_search_matches_hf(hf_models, name, width, use_catalog, kind):
         if catalog is not None:
             assert all(tokens in set(catalog) for tokens, _, _ in want)
         assert_beams_close(hf_results, want, atol=1e-4, what=f"request {i}")
-        for tokens, score, lps in want:
+        for _tokens, score, lps in want:
             assert len(lps) == 3 and sum(lps) == pytest.approx(score, abs=1e-12)
 
 

@@ -195,7 +195,7 @@ def test_matches_hf_generate(hf_setup, name, width, use_catalog):
             assert len({t for t, _, _ in got}) == width, "duplicate triples"
             if use_catalog:
                 assert {t for t, _, _ in got} <= set(triples)
-            for tokens, score, lps in got:
+            for _tokens, score, lps in got:
                 assert sum(lps) == pytest.approx(score, abs=1e-5)
 
 

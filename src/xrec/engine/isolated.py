@@ -38,13 +38,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from xrec.api_types import ValidRequest
+from xrec.api_types import CatalogVersion, ValidRequest
 from xrec.engine.frontend import EngineFrontend, EngineStats
 from xrec.engine.requests import BatchReport
 from xrec.engine.transport import Arena, Region, dumps, loads
 from xrec.errors import Internal, Unavailable
+
+if TYPE_CHECKING:
+    from xrec.catalog import ItemCatalog
+    from xrec.tokenizer import PromptTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +152,7 @@ class ProcessEngine(EngineFrontend):
     >>> engine = Engine.from_pretrained(model_dir, isolation="process")
     """
 
-    def __init__(self, link: _Link, info: dict, tokenizer: Any):
+    def __init__(self, link: _Link, info: dict, tokenizer: PromptTokenizer | None):
         self._link = link
         self.limits, self.options = info["limits"], info["options"]
         self.model_name, self.config = info["model_name"], info["config"]
@@ -163,7 +167,8 @@ class ProcessEngine(EngineFrontend):
         self._finalizer = weakref.finalize(self, _shutdown, link, self._receiver, 0.0)
 
     @classmethod
-    def start(cls, model_dir: str | os.PathLike, catalog: Any, options: dict) -> "ProcessEngine":
+    def start(cls, model_dir: str | os.PathLike, catalog: str | os.PathLike | ItemCatalog | None,
+              options: dict[str, Any]) -> ProcessEngine:
         """Start the child, load the model there; raises what loading raised."""
         from xrec.tokenizer import PromptTokenizer
 
@@ -281,20 +286,20 @@ class ProcessEngine(EngineFrontend):
     # ---- the catalog (hot reload, run in the child) --------------------------
 
     @property
-    def catalog_version(self) -> Any:
-        """The current catalog's version (content hash, item count, loaded at), or None."""
+    def catalog_version(self) -> CatalogVersion | None:
         return self.get("catalog_version")
 
     @property
-    def previous_catalog_version(self) -> Any:
+    def previous_catalog_version(self) -> CatalogVersion | None:
         return self.get("previous_catalog_version")
 
-    def load_catalog(self, catalog: Any, extended: bool | None = None) -> Any:
+    def load_catalog(self, catalog: str | os.PathLike | ItemCatalog,
+                     extended: bool | None = None) -> CatalogVersion:
         """`Engine.load_catalog`, in the child (a path is read there)."""
         return self.call("load_catalog", str(catalog) if isinstance(catalog, os.PathLike) else catalog,
                          extended)
 
-    def restore_catalog(self) -> Any:
+    def restore_catalog(self) -> CatalogVersion | None:
         return self.call("restore_catalog")
 
     # ---- lifecycle ---------------------------------------------------------

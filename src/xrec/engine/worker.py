@@ -17,10 +17,15 @@ import threading
 import time
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xrec.engine.transport import Arena, dumps, loads
 from xrec.errors import Internal
+
+if TYPE_CHECKING:
+    from xrec.api_types import ValidRequest
+    from xrec.catalog import ItemCatalog
+    from xrec.engine.engine import Engine
 
 PARENT_POLL_S = 0.2
 
@@ -31,7 +36,7 @@ def main(argv: list[str]) -> int:
     _exit_with_parent(os.getppid())
     model_dir, catalog, options, log_level = loads(conn.recv_bytes(), None)
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s [child] %(message)s")
-    loaded: list[Any] = []
+    loaded: list[Engine | BaseException] = []
     loader = threading.Thread(target=_load, args=(model_dir, catalog, options, loaded),
                               name="xrec-load")
     loader.start()
@@ -46,7 +51,8 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _load(model_dir: str, catalog: Any, options: dict, out: list) -> None:
+def _load(model_dir: str, catalog: str | ItemCatalog | None, options: dict[str, Any],
+          out: list[Engine | BaseException]) -> None:
     from xrec.config import EngineOptions
     from xrec.engine.engine import Engine, load_parts
     try:
@@ -60,7 +66,7 @@ class Child:
     """Serves one parent: submissions, cancels, calls. Answers are sent by the thread that
     has them (a pipeline, as its batch ends): one short socket write, no extra hop."""
 
-    def __init__(self, engine: Any, conn: Connection, arena: Arena):
+    def __init__(self, engine: Engine, conn: Connection, arena: Arena):
         self.engine, self.conn, self.arena = engine, conn, arena
         self.futures: dict[int, Future] = {}
         self.send_lock = threading.Lock()
@@ -90,7 +96,7 @@ class Child:
                 self.engine.close(message[1])   # every answer is sent when this returns
                 return
 
-    def _submit(self, items: list[tuple[int, Any]]) -> None:
+    def _submit(self, items: list[tuple[int, ValidRequest]]) -> None:
         try:
             futures = self.engine.submit_valid_many([valid for _, valid in items])
         except Exception as exc:  # refused as a whole (closed engine): each gets the error

@@ -131,7 +131,7 @@ def _write(out_dir: Path, report: dict, split: Split, users, targets, rankings, 
         f"## {report['dataset']}: {report['stage']} stage, {report['users']:,} users, ranking "
         f"over all {report['items']:,} items\n\n{table}\n")
     item_ids, user_ids = split.data.item_ids, split.data.user_ids
-    for index, (name, ranked) in enumerate(rankings.items()):
+    for index, ranked in enumerate(rankings.values()):
         path = out_dir / ("predictions.jsonl" if index == 0 else
                           f"predictions-{Path(model_dirs[index]).name}.jsonl")
         with open(path, "w") as f:

@@ -103,11 +103,11 @@ class SelfAttention(nn.Module):
         self.o_proj = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        b, l, h = x.shape
-        qkv = self.qkv_proj(x).view(b, l, 3, self.num_heads, h // self.num_heads)
+        b, length, h = x.shape
+        qkv = self.qkv_proj(x).view(b, length, 3, self.num_heads, h // self.num_heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)                        # each [B, heads, L, d]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, heads, L, d]
-        return self.o_proj(out.transpose(1, 2).reshape(b, l, h))
+        return self.o_proj(out.transpose(1, 2).reshape(b, length, h))
 
 
 class Block(nn.Module):
@@ -149,15 +149,15 @@ class SASRecModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [B, L] (L <= max_len, shifted ids) -> hidden states [B, L, H]."""
-        b, l = input_ids.shape
+        b, length = input_ids.shape
         is_item = input_ids > 0                                       # [B, L]
-        positions = torch.arange(self.config.max_len - l, self.config.max_len,
+        positions = torch.arange(self.config.max_len - length, self.config.max_len,
                                  device=input_ids.device)
         x = self.item_emb(input_ids) * math.sqrt(self.config.hidden_size) + self.pos_emb(positions)
         x = self.drop(x)                                              # [B, L, H]
-        causal = torch.ones(l, l, dtype=torch.bool, device=input_ids.device).tril()
+        causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
         # a query sees earlier items, never padding; padding sees itself (no empty softmax row)
-        eye = torch.eye(l, dtype=torch.bool, device=input_ids.device)
+        eye = torch.eye(length, dtype=torch.bool, device=input_ids.device)
         mask = (causal & is_item[:, None, :]) | eye                   # [B, L(query), L(key)]
         mask = mask[:, None]                                          # [B, 1, L, L]
         for block in self.blocks:
