@@ -3,7 +3,7 @@
 # transformers, pytest and hypothesis (nothing is installed there): the CUDA tests of both
 # families, then the headline offline cases of both families on the GPU, in float32 (results
 # compared with HF's) and in the engine's default bfloat16.
-# Usage: bash bench/gpu_check.sh OUT_DIR   (OUT_DIR receives one JSON per run)
+# Usage: bash scripts/gpu_check.sh OUT_DIR   (OUT_DIR receives one JSON per run)
 set -u
 out=${1:?usage: gpu_check.sh OUT_DIR}
 work=$(mktemp -d)

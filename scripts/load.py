@@ -13,7 +13,7 @@ Latency percentiles are of the served requests. With `--pid`, the server's
 resident memory (VmRSS, and the peak VmHWM) is read from /proc at the start
 and the end. Prints a Markdown table and writes JSON (`--out`).
 
-    python bench/load.py --url http://127.0.0.1:8000 --clients 16 --duration 30 --pid 1234
+    python scripts/load.py --url http://127.0.0.1:8000 --clients 16 --duration 30 --pid 1234
 """
 
 from __future__ import annotations
