@@ -3,6 +3,7 @@ cancellation, shutdown. Instrumented with the executor's fault hook, never timed
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 import queue
@@ -293,3 +294,16 @@ def test_close_drains_queued_requests_then_refuses(model_dir):
     assert all(f.result(0).results for f in futures)
     with pytest.raises(Unavailable):
         engine.submit(RecRequest(token_ids=[1]))
+
+
+def test_an_engine_in_a_hosts_process_changes_nothing_process_wide(model_dir):
+    """Embedded with isolation="thread", the constructor leaves the host's garbage collector
+    as it was; `own_process()` (xrec serve, xrec batch, the isolated child) freezes it."""
+    before = gc.get_freeze_count()
+    with Engine.from_pretrained(model_dir, isolation="thread", device="cpu") as engine:
+        assert gc.get_freeze_count() == before
+        try:
+            engine.own_process()
+            assert gc.get_freeze_count() > before
+        finally:
+            gc.unfreeze()

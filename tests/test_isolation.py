@@ -6,6 +6,8 @@ requests; errors keep their classes; arrays cross the shared-memory arena bit-id
 
 from __future__ import annotations
 
+import dataclasses
+
 import gc
 import hashlib
 import os
@@ -22,6 +24,7 @@ import pytest
 from xrec import DeadlineExceeded, Engine, InvalidArgument, RecRequest, Unavailable
 from xrec.demo import write_random_model
 from xrec.engine.isolated import ProcessEngine
+from xrec.engine.frontend import EngineStats
 from xrec.engine.responses import ResponseData
 from xrec.engine.transport import ARENA_MIN_BYTES, Arena, dumps, loads
 from xrec.model.loader import CheckpointError
@@ -120,6 +123,22 @@ def test_cancel_report_hooks_and_bursts(engine):
     while not reports and time.monotonic() < deadline:
         time.sleep(0.01)
     assert reports and reports[0].num_requests >= 1
+
+
+def test_stats_come_from_the_child_in_the_in_process_shape(model_dir, engine):
+    """`stats()` (what /metrics reads) is the child engine's snapshot: the same EngineStats
+    as an in-process engine of the same options, idle after its answers."""
+    assert all(f.result(WAIT_S).results for f in engine.submit_many(_requests(3)))
+    deadline = time.monotonic() + WAIT_S
+    while (stats := engine.stats()).num_batches_running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with Engine.from_pretrained(model_dir, isolation="thread", device="cpu") as local:
+        want = local.stats()
+    assert isinstance(stats, EngineStats)
+    same_catalog = dataclasses.replace(want.catalog_version, loaded_at=stats.catalog_version.loaded_at)
+    assert stats == dataclasses.replace(want, catalog_version=same_catalog)   # idle, same budget
+    assert stats.num_pipelines == 1 and stats.workspace_bytes_total > 0
+    assert stats.catalog_version.num_items == 300
 
 
 def test_catalog_hot_reload_runs_in_the_child(model_dir, engine, tmp_path):
