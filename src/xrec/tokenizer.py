@@ -2,12 +2,9 @@
 
 Why `tokenizers` + `jinja2` and not `transformers`: they are what
 `transformers` itself runs underneath (its fast tokenizers are `tokenizers`
-objects, its chat templates jinja2 sandboxes), at a fraction of the cost.
-Installed size 12 MB + 1.3 MB against 129 MB (+ 8 MB huggingface_hub); import
-time on this project's CPU machine (median of 3 fresh interpreters):
-`import tokenizers` 0.03 s, `import jinja2.sandbox` 0.10 s,
-`from transformers import AutoTokenizer` 3.4 s (1.5 s when torch is already
-imported, as it is in the server). Serving never imports transformers.
+objects, its chat templates jinja2 sandboxes), at a fraction of the installed size
+and import time (docs/decisions.md, Decoder-only family). Serving never imports
+transformers.
 
 The template environment is the one Hugging Face templates are written for:
 an `ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)` with
@@ -20,10 +17,10 @@ and only read. `encode`, `token_to_id`, `id_to_token` borrow it immutably
 borrowed" reported against Hugging Face tokenizers under load comes from a
 *mutable* borrow (setting truncation or padding, adding tokens) while another
 thread encodes; this class never mutates the tokenizer after loading it.
-Plain `encode` also keeps the GIL in tokenizers 0.23 (8 encodes of a 170 kB
-text: 1.44 s on one thread, 1.37 s on two), so concurrent prompts are encoded
-one after another, not in parallel; prompts are short. `tests/test_tokenizer.py`
-encodes from 8 threads at once and compares with the serial results. A
+Plain `encode` also keeps the GIL in tokenizers 0.23 (docs/decisions.md,
+Decoder-only family), so concurrent prompts are encoded one after another, not
+in parallel; prompts are short. `tests/test_tokenizer.py` encodes from 8 threads
+at once and compares with the serial results. A
 compiled jinja2 template is safe to render from several threads (each render
 has its own context).
 """

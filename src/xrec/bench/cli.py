@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     offline.add_argument("--beam-widths", type=_ints, default=[64, 128, 256, 512])
     offline.add_argument("--lengths", type=_ints, default=[128, 512, 1024])
     offline.add_argument("--num-requests", type=int, default=8)
-    # the fast contenders take ~0.1-0.3 s a run: 11 of them keep one noisy run off the median
+    # 11 runs keep one noisy run off the median (docs/decisions.md, Benchmarks)
     offline.set_defaults(run=_run("offline"), repeats=11)
 
     scaling = sub.add_parser("scaling", help="time and peak memory as W, L and batch grow")
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "Serve app with --replicas (bench/serve_ray.py)")
     serve.add_argument("--replicas", type=_ints, default=[1, 2], help="with --ray: replica counts")
     serve.add_argument("--clients", type=int, default=8, help="with --ray: closed-loop clients")
-    # one comparison run is one ~0.1 s burst: 15 of them keep a noisy run off the median
+    # one comparison run is one short burst: 15 keep a noisy run off the median (docs/decisions.md, Benchmarks)
     serve.set_defaults(run=_run_serve, repeats=15)
     batch = sub.add_parser("batch", help="xrec batch rows/s: in process and --ray vs the Engine")
     common(batch)

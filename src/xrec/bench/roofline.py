@@ -8,8 +8,9 @@ For each workload (model size, W, L, requests):
 3. xrec's step time (median, not profiled) -> achieved FLOP/s and fraction of peak; each
    timed step is bracketed by products of the peak's GEMM shape (in fresh threads, as
    the step), and the fraction is also taken run by run against that reference:
-   on a shared machine the GEMM rate drifts by a quarter within minutes, so a ratio of
-   two measurements taken minutes apart says more about the neighbours than about xrec;
+   on a shared machine the GEMM rate drifts within minutes (docs/decisions.md, Roofline),
+   so a ratio of two measurements taken minutes apart says more about the neighbours than
+   about xrec;
 4. one profiled step (bench/breakdown.py's attribution by Python stack) -> time per
    component next to its FLOPs: where the time goes that the FLOPs do not explain.
 

@@ -1,9 +1,9 @@
 """ProcessEngine: the engine's pipelines in a child process, the request API here.
 
 Why: libgomp throttles every OpenMP team of a process once the process holds more
-OpenMP threads than cores, so one torch op on a host's long-lived thread slowed the
-in-process pipelines by 30-40% for the rest of the process. A child process has its
-own OpenMP runtime that the host cannot touch.
+OpenMP threads than cores, so one torch op on a host's long-lived thread slows the
+in-process pipelines for the rest of the process (docs/decisions.md, Engine isolation).
+A child process has its own OpenMP runtime that the host cannot touch.
 
 The edge stays here: requests are validated and prompts tokenized in this process
 (the tokenizer is loaded here; the weights only in the child). Messages, pickled over a

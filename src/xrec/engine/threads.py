@@ -4,10 +4,10 @@
 every thread adopts on its first parallel op, and it sets MKL's global thread
 count. A pipeline that called it with its share of the cores (1 of 2 with two
 pipelines) made every other thread of the process single-threaded too, a user's
-own torch work included (Hugging Face `generate` in the same process ran 22–47%
-slower). Here the two thread-local settings underneath are set instead: OpenMP's
-`omp_set_num_threads` (a per-thread ICV) and MKL's `mkl_set_num_threads_local`,
-both reached through libtorch_cpu so that they are the copies torch itself uses.
+own torch work included (docs/decisions.md, Scheduler and executor). Here the two
+thread-local settings underneath are set instead: OpenMP's `omp_set_num_threads` (a
+per-thread ICV) and MKL's `mkl_set_num_threads_local`, both reached through
+libtorch_cpu so that they are the copies torch itself uses.
 """
 
 from __future__ import annotations

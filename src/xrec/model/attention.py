@@ -91,7 +91,7 @@ def shared_stage(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.
     qg = qg.reshape(num_batch, num_kv, group * num_beams, head_dim)      # [B, kvH, G*W, Dh]
     if q.device.type == "cpu" and (bias is None or bias.shape[1] == 1):
         # the same head-independent mask for every query: PyTorch's CPU flash kernel, which
-        # also returns the log-sum-exp (~3x the speed of the scores written out and re-read)
+        # also returns the log-sum-exp, so the scores are never written out and re-read
         mask = None if bias is None else bias.view(num_batch, 1, 1, num_keys).to(q.dtype)
         out, lse = _cpu_flash_attention(qg, k, v, 0.0, False, attn_mask=mask, scale=scale)
         out = out.view(num_batch, num_kv, group, num_beams, head_dim).permute(0, 3, 1, 2, 4)

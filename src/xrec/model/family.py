@@ -92,22 +92,18 @@ class RecModel(nn.Module):
         `row_scale [N]` or None -> `[N]` float32, without materialising `[N, V]`.
 
         On a CPU the head goes through in blocks of `block_vocab` rows against up to
-        `block_rows` hidden rows: `weight[block] @ hidden.T` (`[v, rows]`, ~1.8x the speed of
-        the `[rows, v]` product) stays in cache, each block's log-sum-exp goes to a `[blocks,
-        N]` table, reduced once at the end. One pass over a 176k-token head this way runs at
-        ~120 GFLOP/s on two cores where whole-vocabulary row blocks ran at ~60. On a GPU one
-        block of rows goes against vocabulary blocks of at least 32,768 (large kernels, and
-        no `[V, N]` buffer for a wide vocabulary).
+        `block_rows` hidden rows as `weight[block] @ hidden.T` (`[v, rows]`, the faster
+        orientation), which stays in cache; each block's log-sum-exp goes to a `[blocks, N]`
+        table, reduced once at the end. On a GPU one block of rows goes against vocabulary
+        blocks of at least 32,768 (large kernels, and no `[V, N]` buffer).
 
-        Each block's log-sum-exp is taken in base 2 and in place: the hidden rows are
-        scaled by log2(e) before the product (free), then subtract a shift, `exp2_`, sum.
-        `exp2` runs ~1.5x the speed of `exp` on a CPU and nothing is allocated per block
-        (`torch.logsumexp` cost ~2x as much: a `[v, rows]` temporary each block). On a CPU
-        the shift is the first block's max for every block (a max over each block cost as
-        much as the `exp2`); a block whose sum overflows (a logit 2^127 times that max) is
-        computed again with its own max. On a GPU each block takes its own max (no check,
-        no host synchronisation). The accuracy is that of `torch.logsumexp` (max error
-        1.8e-6 against float64, 512 rows x 176k tokens).
+        Each block's log-sum-exp is taken in base 2 and in place (hidden rows scaled by
+        log2(e) before the product, then subtract a shift, `exp2_`, sum): nothing is
+        allocated per block. On a CPU the shift is the first block's max for every block; a
+        block whose sum overflows (a logit 2^127 times that max) is computed again with its
+        own max. On a GPU each block takes its own max (no host synchronisation). The
+        accuracy is that of `torch.logsumexp`. Measurements: docs/decisions.md, Search and
+        Decoder-only family.
         """
         weight, scale = self.head_weight()
         num_rows, vocab = hidden.shape[0], weight.shape[0]
@@ -149,10 +145,10 @@ class RecModel(nn.Module):
                          block_bytes: int = 2 << 20) -> torch.Tensor:
         """Logits of chosen tokens only: `hidden [N, D]`, `token_ids [N, C]` -> `[N, C]`.
 
-        The gathered head rows `[N, C, D]` are multiplied in place and summed (~5x faster
-        than a bmm of N matrix-vectors). On a CPU they go through in blocks of about
-        `block_bytes`, so the gather stays in cache instead of faulting in N x C x D fresh
-        values; on a GPU one block covers all rows.
+        The gathered head rows `[N, C, D]` are multiplied in place and summed (faster than a
+        bmm of N matrix-vectors: docs/decisions.md, Search). On a CPU they go through in
+        blocks of about `block_bytes`, so the gather stays in cache instead of faulting in
+        N x C x D fresh values; on a GPU one block covers all rows.
         """
         weight, scale = self.head_weight()
         scaled = (hidden * scale).unsqueeze(1)                            # [N, 1, D]

@@ -18,11 +18,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """`x [..., K] @ weight[N, K].T (+ bias)` -> `[..., N]`, as `F.linear`.
 
     On a CPU, float32 products with 2 to `WEIGHT_FIRST_MAX_ROWS` rows are taken as
-    `weight @ x.T`, then transposed back. For a product with few rows MKL's sgemm packs
-    the whole weight each call and reads it at ~8 GB/s on these cores; weight-first it
-    reads it about twice as fast. Measured on 2 cores with the weights cycled (cold, as
-    in a step), widths 1024-2048, the transposing copy included: 1.1-2.3x the speed at
-    2-64 rows, 1.0-1.08x at 128, equal at one row and from ~256 rows on. Rows of this
+    `weight @ x.T`, then transposed back: with few rows MKL's sgemm packs the whole weight
+    each call, and weight-first reads it faster (docs/decisions.md, Roofline). Rows of this
     size are the decoder prefix and the round-0 head of a batch (one row per request),
     the decoder rounds of one request of up to 128 beams, and a mixture's experts.
     """
@@ -53,10 +50,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # the same arithmetic in one kernel (bit for bit on a CPU; ~20% faster alone)
+            # the same arithmetic in one kernel, bit for bit on a CPU (docs/decisions.md, Roofline)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
-        # x * x, not x.pow(2): the same values, ~10x faster on a CPU (pow takes a generic path)
+        # x * x, not x.pow(2): the same values; pow takes a slow generic path on a CPU
         inverse_rms = torch.rsqrt((xf * xf).mean(-1, keepdim=True) + self.eps)
         return (xf * inverse_rms).to(x.dtype).mul_(self.weight)
 

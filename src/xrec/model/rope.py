@@ -26,7 +26,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     Written as x * cos, then each half's sin term added in place: three passes over x
     and one new tensor, where the rotated copy, its negation and the sum took six and
-    five (~2x the speed on a CPU)."""
+    five (docs/decisions.md, Roofline)."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     out = x * cos

@@ -1,10 +1,10 @@
 """Connection limits: head size, read deadlines, an idle timeout and a cap on connections.
 
 uvicorn's httptools protocol reads headers without a size bound (httptools joins a
-header value in memory until it ends: a 1 GiB header took 1.9 GB and minutes of CPU),
-never closes a connection that has not sent a request yet, and has no read deadline
-for a head or a body. `LimitedProtocol` is that protocol with these added, before any
-byte reaches the app (so before auth):
+header value in memory until it ends: docs/decisions.md, HTTP server), never closes a
+connection that has not sent a request yet, and has no read deadline for a head or a
+body. `LimitedProtocol` is that protocol with these added, before any byte reaches the
+app (so before auth):
 
 - `max_header_bytes`: the request line and headers of one request together; past it
   431 and the connection closes. Counted per received chunk while a head is being read,
@@ -24,9 +24,9 @@ with `X-Request-Id`) and `Connection: close`. The connection then lingers: its w
 side is shut and what the client still sends is read and dropped, until the client
 closes, `LINGER_S` pass without a byte, or `MAX_LINGER_S` pass in all. Closing at once
 with unread bytes would send a reset, and a client that sends its whole request
-before reading (most do) would see the reset instead of the refusal (measured: a
-4 MiB header got ConnectionResetError 5 times in 5). At most `max_connections`
-refused connections linger at a time; beyond that they close at once.
+before reading (most do) would see the reset instead of the refusal (docs/decisions.md,
+HTTP server). At most `max_connections` refused connections linger at a time; beyond
+that they close at once.
 
 The HTTP codes carry the nearest code of `xrec.errors`: 431 PAYLOAD_TOO_LARGE, 408
 DEADLINE_EXCEEDED, 503 UNAVAILABLE (with `Retry-After: 1`). `refusals` counts them by

@@ -26,9 +26,9 @@ Decisions where `spec/serving.md` is silent:
   carries a fresh one).
 - Embedding shapes: each dimension an integer in [0, 2**24] (400 otherwise, before any
   array is made).
-- Memory at parsing: pydantic holds ~80 bytes per JSON value while it parses (40x a
-  body of `0,0,0,...`), so a body is refused 413 before parsing when it holds more
-  values (commas) than the largest valid request for the served model
+- Memory at parsing: pydantic holds tens of bytes per JSON value while it parses
+  (docs/decisions.md, HTTP server), so a body is refused 413 before parsing when it
+  holds more values (commas) than the largest valid request for the served model
   (`max_json_values`). The default body limit is that request's size at 32 bytes a
   value (`max_body_bytes`): 26 MiB for onerec-0.015b (L = 4096, d_model = 128).
 - Native embeddings: `{"shape": [L, D], "data": [L*D floats, row-major]}` or
@@ -204,7 +204,7 @@ def max_body_bytes(limits: SearchLimits) -> int:
 
 def check_value_count(body: bytes, max_values: int) -> None:
     """PayloadTooLarge (413) when `body` may hold more than `max_values` JSON values,
-    before parsing (which would hold ~80 bytes per value)."""
+    before parsing (which would hold tens of bytes per value: docs/decisions.md, HTTP server)."""
     if len(body) <= max_values:
         return  # fewer bytes than values allowed: nothing to count
     num_values = body.count(b",") + 1
@@ -349,8 +349,8 @@ def _shape(name: str, shape: list[int]) -> tuple[int, int]:
 def native_response(data: ResponseData, model: str) -> dict:
     """The native answer, written from the answer's arrays: each result is an object of
     `RecCandidate`'s fields (tokens, score, token_logprobs, items of item_id/did/type,
-    text), the shape `tests/test_server.py` checks. Building these dicts takes half the
-    time of building the `RecCandidate` objects, which the server never needs."""
+    text), the shape `tests/test_server.py` checks. These dicts are cheaper than the
+    `RecCandidate` objects, which the server never needs (docs/decisions.md, HTTP server)."""
     ids, bounds = data.item_ids.tolist(), data.item_offsets.tolist()
     dids, types = data.dids or itertools.repeat(None), data.types or itertools.repeat(None)
     items = [{"item_id": i, "did": did, "type": t} for i, did, t in zip(ids, dids, types)]

@@ -282,7 +282,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def _dumps(payload: Any) -> bytes:
-    """orjson: ~14x faster than json for a 128-result answer. Results are finite by
+    """orjson: much faster than json (docs/decisions.md, HTTP server). Results are finite by
     construction (-inf candidates are dropped before a response is built)."""
     return orjson.dumps(payload)
 

@@ -11,8 +11,8 @@ def in_fresh_thread(fn: Callable[[], Any]) -> Any:
 
     libgomp throttles the spin-waiting of every OpenMP team once the process holds
     more OpenMP threads than cores, and a long-lived thread that ran a parallel torch
-    op keeps its team. Measured on 2 cores: one parallel op on the main thread made
-    xrec's pipeline ~25% slower for the rest of the process. So the bench's own torch
+    op keeps its team: one parallel op on the main thread slows xrec's pipeline for the
+    rest of the process (docs/decisions.md, Benchmarks). So the bench's own torch
     work (loading, HF, the naive reference, the profiled step) runs in threads that
     end, leaving xrec's pipelines the only long-lived teams, as in `xrec serve`.
     """

@@ -6,8 +6,9 @@ The peak is the best median FLOP/s over a few large shapes (square, and the tall
 shapes of a batch of positions times a projection), with the same intra-op thread count
 as the run it is compared with. `Gemm` is also the roofline's interleaved reference: the
 best shape's product timed between xrec's steps, so that a ratio is taken at one moment
-(a shared machine's GEMM rate drifts by a quarter within minutes). bfloat16 is measured where the device computes it
-natively (CUDA; a CPU with AVX512-BF16 or AMX), else reported as absent.
+(a shared machine's GEMM rate drifts within minutes: docs/decisions.md, Roofline). bfloat16
+is measured where the device computes it natively (CUDA; a CPU with AVX512-BF16 or AMX),
+else reported as absent.
 """
 
 from __future__ import annotations

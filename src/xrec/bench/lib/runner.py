@@ -76,9 +76,9 @@ def load_contenders(names: list[str], model_dir: Path, device: str, threads: int
     if engine is not None:
         info["engine_options"] = asdict(engine.options)
         info["engine_pipelines"] = engine.num_pipelines
-    # The contenders' long-lived objects (HF's trie alone is ~300k) are not garbage: keep the
-    # collector from rescanning one contender's heap inside another's timed run (a full
-    # collection took ~40 ms, once every ~10 xrec runs).
+    # The contenders' long-lived objects (HF's trie above all) are not garbage: keep the
+    # collector from rescanning one contender's heap inside another's timed run
+    # (docs/decisions.md, Benchmarks).
     gc.collect()
     gc.freeze()
     return Contenders(by_name, engine, model.config.vocab_size, info)

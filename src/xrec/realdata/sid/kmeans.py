@@ -12,9 +12,8 @@ __all__ = ["ResidualCodes", "residual_kmeans"]
 
 N_INIT = 3  # k-means++ restarts per level (the best inertia is kept)
 # ONE_BLAS_THREAD: k-means++ seeding and the SVD are BLAS products of a few thousand rows;
-# OpenBLAS's extra threads spin while they wait and, on a loaded 2-core machine, made them
-# 5-15x slower (ml-1m: k-means at K=256 over 384-d text embeddings 92 s -> 6.5 s, the SVD
-# 8.9 s -> 1.2 s). One BLAS thread; scikit-learn's own OpenMP loops stay parallel.
+# OpenBLAS's extra threads spin while they wait and slow them down on a loaded machine
+# (docs/decisions.md, Real data). One BLAS thread; scikit-learn's own OpenMP loops stay parallel.
 
 
 @dataclass(frozen=True, eq=False)

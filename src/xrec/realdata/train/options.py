@@ -11,7 +11,7 @@ FAMILIES = ("qwen3", "onerec")
 
 @dataclass(frozen=True)
 class TrainOptions:
-    """Defaults fit ML-1M on 2 CPU cores in well under 30 minutes."""
+    """Defaults sized to train ML-1M on a small CPU machine (docs/decisions.md, Real data)."""
 
     family: str = "qwen3"          # "qwen3" (decoder-only) | "onerec" (encoder-decoder)
     hidden: int = 128

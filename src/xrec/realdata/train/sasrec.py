@@ -12,7 +12,7 @@ Departs from it, on purpose:
   by a full softmax cross-entropy over all items at every position of the training sequence
   (teacher forcing), the variant that beats the sampled loss in later studies. It runs chunk
   by chunk with its gradient formed in the forward pass (`_SoftmaxCrossEntropy`): the
-  [positions, items] logits never exist whole, about twice as fast on a CPU;
+  [positions, items] logits never exist whole, faster on a CPU (docs/decisions.md, Real data);
 - no dropout on the attention weights (it stays on the embeddings, the residual branches and
   the feed-forward net), so that PyTorch's fused CPU attention kernel runs;
 - `random_crop`: a user whose training sequence is longer than the window trains on a random
@@ -44,9 +44,7 @@ LOSS_CHUNK = 2048   # positions per chunk of the softmax cross-entropy ([2048, N
 @dataclass(frozen=True)
 class SASRecConfig:
     """Model size and training schedule. The model is the paper's ML-1M one; the schedule is
-    set by compute: on 2 idle CPU cores an ML-1M epoch (about 700k trained positions, with
-    validation) takes about 30 s, so the 15 default epochs take about 7.5 min. Validation
-    HR@10 still rises slowly at epoch 15 (0.209): more epochs give a stronger baseline."""
+    set by compute, and more epochs give a stronger baseline (docs/decisions.md, Real data)."""
 
     hidden_size: int = 64
     num_blocks: int = 2
@@ -173,7 +171,7 @@ class _SoftmaxCrossEntropy(torch.autograd.Function):
     """Summed softmax cross-entropy of `hidden @ weight.T` against `targets`, a chunk of
     positions at a time: the gradient is formed in the forward pass (the loss is the last node
     of the graph), so no [T, num_items] logits tensor is ever materialised. On a CPU this is
-    about twice as fast as F.cross_entropy over full logits, which is memory-bound."""
+    faster than F.cross_entropy over full logits, which is memory-bound (docs/decisions.md, Real data)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk: int):
