@@ -1,4 +1,4 @@
-"""Item catalog: file formats, item conversion, constraint tables (spec/catalog.md)."""
+"""Item catalog: file formats, item conversion, constraint tables (docs/catalog.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""config.json in its two dialects (spec/model.md, "config.json") and EngineOptions' range checks.
+"""config.json in its two dialects (docs/model.md, "config.json") and EngineOptions' range checks.
 
 The defaults below are copied from the spec's table, not from the code under test.
 """
@@ -11,7 +11,7 @@ import pytest
 
 from xrec.config import MODEL_SIZES, EngineOptions, ModelConfig
 
-# spec/model.md, "onerec" dialect: xllm key -> documented default
+# docs/model.md, "onerec" dialect: xllm key -> documented default
 ONEREC_DEFAULTS = {
     "d_model": 128, "d_ff": 256, "num_layers": 12, "num_decoder_layers": 4, "num_heads": 4, "d_kv": 32,
     "vocab_size": 8200, "layer_norm_epsilon": 1e-6, "use_absolute_position_embedding": False,

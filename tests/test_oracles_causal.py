@@ -7,7 +7,7 @@
 * the naive beam search (normalize="full") reproduces `generate` beam search on a LEFT-padded ragged batch
   (tokens and order, scores), W in {4, 16}, N < W and N = W, with and without a catalog trie;
 * the naive beam search equals exhaustive scoring of every catalog triple when the beam is wide enough, in
-  both normalisations and with temperature; N > W widens only the last round; ties follow spec/beam.md;
+  both normalisations and with temperature; N > W widens only the last round; ties follow docs/beam-search.md;
 * the facts about transformers 5.24 documented in oracles/hf_causal.py (saved names and config keys).
 """
 

@@ -1,4 +1,4 @@
-"""The decoder-only family against its oracles (spec/decoder-only.md, quality.md).
+"""The decoder-only family against its oracles (docs/model.md, docs/quality.md).
 
 * Hugging Face Qwen2 / Qwen3 / Qwen3-MoE: the logits of a ragged batch's prompts (round 0)
   and of every decode round (per-beam K/V, reordered between rounds) through xrec's

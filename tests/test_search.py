@@ -542,7 +542,7 @@ def flat_dir(tmp_path_factory):
 
 
 def test_tie_rule_unconstrained(flat_dir):
-    """Equal scores: lower parent beam first, then the lower token (spec/beam.md)."""
+    """Equal scores: lower parent beam first, then the lower token (docs/beam-search.md)."""
     with Engine.from_pretrained(flat_dir, isolation="thread",
                                 catalog=None, device="cpu", dtype="float32") as engine:
         requests = [RecRequest(token_ids=[1, 2, 3], beam_width=3, num_return_sequences=4),

@@ -1,4 +1,4 @@
-"""xAttention (spec/xattention.md) against a one-stage reference.
+"""xAttention (docs/model.md) against a one-stage reference.
 
 * shared stage + unshared stage + merge == one softmax over the concatenation of per-beam copies
   of the shared keys and the beam's own keys (ragged prefixes via a -inf bias, GQA, position

@@ -2,14 +2,14 @@
 fixed-round constrained beam search. Test oracle only: written for clarity,
 independently of the engine (`xrec.model`, `xrec.search`), and never fast.
 
-* The network (`NaiveOneRec`) follows /work/shared/spec/model.md: T5-v1.1
+* The network (`NaiveOneRec`) follows docs/model.md: T5-v1.1
   encoder-decoder, RMSNorm, gated-SiLU FFN, optional decoder MoE, GQA, T5
   relative position bias (or none in absolute mode), tied or untied LM head.
   Everything runs in float64, one request at a time, no padding, no KV cache:
   `decoder_logits` recomputes the whole decoder sequence on every call, and
   attention is a plain softmax over all keys, one head at a time.
-* The search (`naive_beam_search`) follows /work/shared/spec/beam.md and the
-  "Constrained decoding" section of catalog.md: per-beam copies of
+* The search (`naive_beam_search`) follows docs/beam-search.md and the
+  "Constrained decoding" section of docs/catalog.md: per-beam copies of
   everything, a full decoder recompute per beam per round, candidates sorted
   by (-score, parent beam index, token id). The search itself
   (`fixed_round_beam_search`) only asks for the next-token logits of a beam,
@@ -373,7 +373,7 @@ def fixed_round_beam_search(next_logits: Callable[[tuple[int, ...]], torch.Tenso
                             num_return_sequences: int | None = None, normalize: str = "allowed",
                             catalog_triples=None, rounds: int = 3,
                             temperature: float = 1.0) -> list[tuple[tuple[int, ...], float, list[float]]]:
-    """The fixed-round beam search of one request, per /work/shared/spec/beam.md,
+    """The fixed-round beam search of one request, per docs/beam-search.md,
     whatever the network: `next_logits(tokens)` returns the logits [V] of the
     token that follows the generated `tokens` (a tuple, () in round 0).
 

@@ -1,5 +1,5 @@
 """A plain, slow, obviously-correct reference of the decoder-only family
-(Qwen2 / Qwen3 / Qwen3-MoE causal LMs, /work/shared/spec/decoder-only.md) and
+(Qwen2 / Qwen3 / Qwen3-MoE causal LMs, docs/model.md) and
 of its fixed-round constrained beam search. Test oracle only: written for
 clarity, independently of the engine (`xrec.model`, `xrec.search`) and of
 `transformers`, and never fast.
@@ -10,7 +10,7 @@ clarity, independently of the engine (`xrec.model`, `xrec.search`) and of
   sequence on every call (positions 0..T-1), and attention is a plain causal
   softmax over all keys, one head at a time.
 * The search (`naive_causal_beam_search`) is `fixed_round_beam_search` of
-  oracles/naive.py (spec/beam.md): per beam, the logits of the next token are
+  oracles/naive.py (docs/beam-search.md): per beam, the logits of the next token are
   a full recompute over prompt + that beam's generated tokens.
 """
 
@@ -280,7 +280,7 @@ def naive_causal_beam_search(model: NaiveCausalLM, *, token_ids, beam_width: int
                              num_return_sequences: int | None = None, normalize: str = "allowed",
                              catalog_triples=None, rounds: int = 3,
                              temperature: float = 1.0) -> list[tuple[tuple[int, ...], float, list[float]]]:
-    """Fixed-round beam search of one prompt, per /work/shared/spec/beam.md
+    """Fixed-round beam search of one prompt, per docs/beam-search.md
     (`fixed_round_beam_search`): up to N (default W, any N >= 1) results
     (tokens, score, per-round log-probs), best first; round r keeps the best W
     (the best N in the last round) of all finite candidates ordered by

@@ -87,7 +87,7 @@ def random_state_dict(config: ModelConfig, *, seed: int, gain: float = 1.4, embe
     return out
 
 
-# canonical -> xllm names (model.md, "Checkpoint")
+# canonical -> xllm names (docs/model.md, checkpoint names)
 _XLLM_DENSE = {"DenseReluDense.wi_0": "gate_proj", "DenseReluDense.wi_1": "wi", "DenseReluDense.wo": "wo"}
 _XLLM_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 

@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(offline)
     contenders(offline, "xrec,xrec-full,hf,naive; xrec,xrec-full,hf for --case")
     offline.add_argument("--case", choices=("target1", "target2", "targets"),
-                         help="the headline cases: onerec (spec/quality.md): target1 W=128 L=256 "
+                         help="the headline cases: onerec (docs/quality.md): target1 W=128 L=256 "
                          "16 requests, target2 W=512 L=1024 4 requests; qwen3 (issue 9): target1 "
                          "W=128 L=256 4 requests; targets: all of the family's")
     offline.add_argument("--beam-widths", type=_ints, default=[64, 128, 256, 512])

@@ -16,7 +16,7 @@ from xrec.bench.lib.models import make_workload
 from xrec.bench.lib.runner import load_for, num_runs, run_point
 
 # per family, (W, L, B) -> the speed-up over HF each xrec mode must reach:
-# onerec: spec/quality.md, "Targets"; qwen3: issue 9 (qwen3-sid-tiny, 100k items)
+# onerec: docs/quality.md, "Targets"; qwen3: issue 9 (qwen3-sid-tiny, 100k items)
 CASES = {
     "onerec": {"target1": ((128, 256, 16), {"xrec": 50.0, "xrec-full": 12.0}),
                "target2": ((512, 1024, 4), {"xrec": 100.0, "xrec-full": 50.0})},

@@ -1,7 +1,7 @@
 """`xrec bench scaling`: time and peak memory of each contender as W, L and batch grow.
 
 One variable at a time around a base point (W, L, one request), plus the memory target
-point W=512, L=1024, one request (spec/quality.md: xrec's peak extra memory there must be
+point W=512, L=1024, one request (docs/quality.md: xrec's peak extra memory there must be
 at most 1/10 of HF generate's). Peak memory is the RSS growth during one run (CPU) or
 `max_memory_allocated` growth (CUDA).
 """

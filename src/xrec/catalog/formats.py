@@ -1,4 +1,4 @@
-"""Catalog file formats (spec/catalog.md): binary default, binary extended, text.
+"""Catalog file formats (docs/catalog.md): binary default, binary extended, text.
 
 numpy only, no torch. Readers return the columns in file order, duplicates
 included (`ItemCatalog` resolves them), after checking every record:
@@ -36,7 +36,7 @@ _TEXT_LINE = re.compile(r"\s*(-?\d+)\s*,\s*(-?\d+)\s*,\s*(-?\d+)\s*,\s*(-?\d+)\s
 
 
 class CatalogError(InvalidArgument):
-    """A catalog file or catalog array that breaks the format of spec/catalog.md."""
+    """A catalog file or catalog array that breaks the format of docs/catalog.md."""
 
 
 @dataclass(frozen=True)

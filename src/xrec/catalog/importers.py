@@ -1,4 +1,4 @@
-"""Item catalogs from what semantic-ID projects ship (spec/decoder-only.md), via the tokenizer.
+"""Item catalogs from what semantic-ID projects ship (docs/catalog.md), via the tokenizer.
 
 - OpenOneRec `sid2pid.json`: `{"<c1*K*K + c2*K + c3>": [items]}` (K the codebook
   size, 8192), an item an integer or `{"pid": ..}` / `{"iid": ..}` (OpenOneRec's
@@ -10,7 +10,7 @@
 Token strings become ids through the model's tokenizer, one lookup per distinct
 string. Rows keep file order (sid2pid: key order, then list order), which the
 catalog keeps per triple; an item id listed twice keeps its last triple
-(spec/catalog.md). Every bad entry is a `CatalogError` naming the file, the
+(docs/catalog.md). Every bad entry is a `CatalogError` naming the file, the
 item or key, and the token.
 """
 

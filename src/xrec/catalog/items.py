@@ -1,4 +1,4 @@
-"""The item catalog: semantic-ID triples ↔ items, and the constraint tables (spec/catalog.md).
+"""The item catalog: semantic-ID triples ↔ items, and the constraint tables (docs/catalog.md).
 
 File formats live in `formats.py`. Everything here is vectorised numpy; torch
 is imported only by `ItemCatalog.constraint_tables` and `ConstraintTables.to`.

@@ -12,7 +12,7 @@ from xrec.config.keys import DTYPES
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """Engine options (spec/serving.md); CLI flags and `Engine.from_pretrained` kwargs of the
+    """Engine options (docs/serving.md); CLI flags and `Engine.from_pretrained` kwargs of the
     same names. `None` means "derived": see `resolve`."""
 
     device: str = "auto"                 # "auto" | "cpu" | "cuda" | "cuda:N"

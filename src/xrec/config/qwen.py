@@ -1,7 +1,7 @@
 """Decoder-only model configuration: Hugging Face `qwen2` / `qwen3` / `qwen3_moe` config.json.
 
 No torch import here. `QwenConfig.from_dict` reads the keys of
-spec/decoder-only.md with Hugging Face's defaults; settings xrec does not
+docs/model.md with Hugging Face's defaults; settings xrec does not
 implement (rope scaling, sliding windows, another activation) are refused with
 a message naming the key. `to_dict` writes a config.json that Hugging Face
 loads as the same model.

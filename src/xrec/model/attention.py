@@ -1,6 +1,6 @@
 """Attention: projections, plain attention, and xAttention's two stages and merge.
 
-xAttention (spec/xattention.md): the W beams of one request share the decoder
+xAttention (docs/model.md): the W beams of one request share the decoder
 prefix and the encoder output. Their keys are stored once per request and
 attended by all W beam queries at once (the *shared* stage); each beam's own
 generated tokens are attended separately (the *unshared* stage); the two

@@ -1,6 +1,6 @@
 """Mixtures of experts: OneRec's decoder MoE and Qwen3-MoE's sparse block, one expert loop.
 
-OneRec (spec/model.md): softmax over all experts, top-k, times the route scale,
+OneRec (docs/model.md): softmax over all experts, top-k, times the route scale,
 no renormalisation, optional shared experts added ungated. Qwen3-MoE: softmax in
 float32, top-k, renormalised over the k only when `norm_topk_prob`.
 """

@@ -1,4 +1,4 @@
-"""The OneRec network (spec/model.md) as plain modules with Hugging Face T5 names.
+"""The OneRec network (docs/model.md) as plain modules with Hugging Face T5 names.
 
 A `RecModel` family (family.py): `prefill` runs `encode` over the padded batch,
 `prepare_cross` and `decode_prefix` once per request; `decode_step` runs once per

@@ -1,4 +1,4 @@
-"""Decoder-only Qwen2 / Qwen3 / Qwen3-MoE LMs (spec/decoder-only.md) with Hugging Face names.
+"""Decoder-only Qwen2 / Qwen3 / Qwen3-MoE LMs (docs/model.md) with Hugging Face names.
 
 A `RecModel` family (family.py). Round 0 (`prefill`) runs each request's prompt
 once, causally, and keeps its K/V: the *shared* prefix of all its beams. Rounds

@@ -8,7 +8,7 @@ The answer has one `choices[i]` per result, best first:
      "finish_reason": "stop", "logprobs": {"content": [...]} or null,
      "token_ids": [t0, t1, t2], "score": -1.2, "items": [{"item_id", "did", "type"}]}
 
-Decisions where spec/decoder-only.md is silent:
+Decisions where docs/serving.md leaves a choice:
 
 - Items and the score sit beside the message in each choice (`choices[i].items`,
   `choices[i].score`, `choices[i].token_ids`): OpenAI clients ignore unknown

@@ -9,7 +9,7 @@ content sizes are checked here (400); everything else (both / neither input,
 ids out of vocab, NaN / Inf, W / K / N ranges, `normalize`) is checked by the
 engine's own `validate` (400).
 
-Decisions where `spec/serving.md` is silent:
+Decisions where docs/serving.md leaves a choice:
 
 - Unknown fields are refused (422): on the native route any name not listed
   below; on the xllm route any name that is not a field of xllm's
