@@ -307,3 +307,15 @@ def test_an_engine_in_a_hosts_process_changes_nothing_process_wide(model_dir):
             assert gc.get_freeze_count() > before
         finally:
             gc.unfreeze()
+
+
+def test_stats_say_whether_the_engine_takes_work(model_dir):
+    """`stats().is_serving` (a Ray replica's health check reads it): true while open,
+    false once closed."""
+    engine = Engine.from_pretrained(model_dir, isolation="thread", device="cpu")
+    try:
+        stats = engine.stats()
+        assert stats.is_serving and stats.num_pipelines == 1 and stats.num_requests_waiting == 0
+    finally:
+        engine.close(WAIT_S)
+    assert not engine.stats().is_serving

@@ -767,3 +767,12 @@ def test_every_request_is_answered_exactly_once(specs, max_concurrency, max_seqs
             assert isinstance(future.exception(0), Unavailable)
             assert grace_s == 0.0
     assert scheduler.num_waiting == 0 and scheduler.num_running_batches == 0
+
+
+def test_is_running_from_start_to_close(make_scheduler):
+    scheduler, _ = make_scheduler(make_limits(), is_started=False)
+    assert not scheduler.is_running
+    scheduler.start()
+    assert scheduler.is_running
+    close_within(scheduler)
+    assert not scheduler.is_running

@@ -263,7 +263,8 @@ class Engine(EngineFrontend):
         return EngineStats(self.num_pipelines, executor.num_busy, scheduler.num_waiting,
                            scheduler.num_running_batches,
                            self.workspace_per_pipeline * self.num_pipelines,
-                           executor.workspace_bytes_in_use, self.catalog_version)
+                           executor.workspace_bytes_in_use, self.catalog_version,
+                           not self._closed.is_set() and scheduler.is_running)
 
     # ---- internals -----------------------------------------------------------
 

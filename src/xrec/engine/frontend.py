@@ -37,6 +37,7 @@ class EngineStats:
     workspace_bytes_total: int         # the budget of all pipelines
     workspace_bytes_in_use: int        # the estimate of the batches running now
     catalog_version: CatalogVersion | None   # the catalog new batches run on
+    is_serving: bool = True            # takes new work: not closed, its scheduler running
 
 
 class EngineFrontend:

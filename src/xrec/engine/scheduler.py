@@ -74,6 +74,13 @@ class FixedStepsScheduler:
         with self._cond:
             return self._num_running
 
+    @property
+    def is_running(self) -> bool:
+        """The loop thread runs and takes requests (started, not closing, not failed)."""
+        with self._cond:
+            thread, is_closing = self._thread, self._is_closing
+        return thread is not None and thread.is_alive() and not is_closing
+
     def start(self) -> None:
         """Start the loop thread (a daemon). Requests submitted before wait for it."""
         with self._cond:

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xrec.config import EngineOptions
 from xrec.demo import model_dir_or_demo
+
+if TYPE_CHECKING:
+    from xrec.scale.batch import BatchJob
 
 RAY_MISSING = ("Ray is not installed; install the optional extra: pip install 'xrec[ray]' "
                "(the default, without --ray, needs no Ray)")
@@ -67,7 +70,7 @@ def add_batch_parser(sub: Any) -> argparse.ArgumentParser:
     return batch
 
 
-def batch_job(args: argparse.Namespace) -> Any:
+def batch_job(args: argparse.Namespace) -> BatchJob:
     from xrec.scale.batch import BatchJob
     from xrec.scale.rows import RowSettings
 

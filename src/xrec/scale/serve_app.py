@@ -146,9 +146,7 @@ class XrecReplica:
 
     def check_health(self) -> None:
         """Serve's health check: raises while this replica's engine cannot take work."""
-        engine = self.engine
-        thread = engine.scheduler._thread
-        if engine._closed.is_set() or thread is None or not thread.is_alive():
+        if not self.engine.stats().is_serving:
             raise RuntimeError("the engine is closed or its scheduler has stopped")
 
     def replica_info(self) -> dict:
