@@ -27,6 +27,13 @@ class RecRequest:
     Unset search knobs take the engine's defaults: `beam_width` ->
     `default_beam_width`, `top_k` and `num_return_sequences` -> `beam_width`,
     `normalize` -> the engine's `normalize`.
+
+    Filters (constrained engines; docs/beam-search.md, "Filters"): the answer is that of the
+    same request over a catalog without the filtered-out items. `exclude_items`: catalog
+    item ids never to recommend (ids the catalog does not hold are ignored and counted in
+    `usage["excluded_items_unknown"]`); `item_types`: an allow-list of item `type`s
+    (extended catalogs); `exclude_history`: decoder-only models with a tokenizer, every
+    item whose semantic ID appears in the prompt.
     """
 
     token_ids: Sequence[int] | None = None
@@ -43,6 +50,9 @@ class RecRequest:
     timeout_ms: float | None = None
     request_id: str | None = None
     seed: int | None = None                      # random (but reproducible) item choice when capped
+    exclude_items: Sequence[int] | None = None   # catalog item ids (unknown ones are ignored)
+    item_types: Sequence[str] | None = None      # allow-list of item types (extended catalogs)
+    exclude_history: bool = False                # exclude the items the prompt names
 
 
 @dataclass(frozen=True)
@@ -120,6 +130,8 @@ class SearchLimits:
     decoder_start_len: int = 1
     max_positions: int | None = None
     generation_prefix: tuple[int, ...] = ()
+    is_constrained: bool = False      # a catalog constrains the search (filters need one)
+    max_exclude_items: int = 100_000
 
 
 @dataclass(frozen=True)
@@ -139,10 +151,17 @@ class ValidRequest:
     timeout_ms: float | None
     seed: int | None
     prefix_len: int = 1                   # decoder-prefix rows (BOS, context rows, or 0)
+    exclude_items: np.ndarray | None = None   # [E] int64, sorted, unique
+    item_types: tuple[str, ...] | None = None  # sorted, unique
+    exclude_history: bool = False
 
     @property
     def input_len(self) -> int:
         return len(self.token_ids) if self.token_ids is not None else len(self.sparse_embedding)
+
+    @property
+    def has_filter(self) -> bool:
+        return self.exclude_items is not None or self.item_types is not None or self.exclude_history
 
 
 def validate(request: RecRequest, limits: SearchLimits, tokenizer: Any = None) -> ValidRequest:
@@ -220,10 +239,69 @@ def _validate(request: RecRequest, limits: SearchLimits, rid: str, tokenizer: An
                              or seed < 0):
         raise InvalidArgument(f"seed: got {seed!r}, expected an integer >= 0")
     prefix_len = limits.decoder_start_len if context is None else len(context)
+    exclude_items, item_types, exclude_history = _filters(request, limits, tokenizer)
     return ValidRequest(rid, token_ids, embedding, context, width, top_k, num_results, normalize,
                         float(temperature), bool(request.return_items),
                         None if timeout is None else float(timeout),
-                        None if seed is None else int(seed), prefix_len)
+                        None if seed is None else int(seed), prefix_len, exclude_items,
+                        item_types, exclude_history)
+
+
+def _filters(request: RecRequest, limits: SearchLimits, tokenizer: Any,
+             ) -> tuple[np.ndarray | None, tuple[str, ...] | None, bool]:
+    """The request's filters checked: excluded ids as a sorted int64 array, the type
+    allow-list as a sorted tuple, exclude_history as a bool. Filters restrict a catalog,
+    so each needs a constrained engine; which types the catalog holds is checked when the
+    batch runs, on the batch's own catalog."""
+    given = [name for name in ("exclude_items", "item_types") if getattr(request, name) is not None]
+    if request.exclude_history is not False:
+        if not isinstance(request.exclude_history, (bool, np.bool_)):
+            raise InvalidArgument(f"exclude_history: got {request.exclude_history!r}, expected "
+                                  "true or false")
+        if limits.accepts_embeddings or tokenizer is None:
+            raise InvalidArgument("exclude_history: needs a decoder-only model with a tokenizer "
+                                  "(its prompt names items by their semantic IDs)")
+        given.append("exclude_history")
+    if given and not limits.is_constrained:
+        raise InvalidArgument(f"{given[0]}: filters restrict the catalog's items, and this engine "
+                              "serves without a catalog (unconstrained)")
+    exclude = None
+    if request.exclude_items is not None:
+        exclude = _item_ids(request.exclude_items, limits.max_exclude_items)
+    types = None
+    if request.item_types is not None:
+        values = request.item_types
+        if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)) or \
+                not all(isinstance(v, str) for v in values):
+            raise InvalidArgument(f"item_types: got {_short(values)}, expected a list of strings")
+        types = tuple(sorted(set(values)))
+    return exclude, types, bool(request.exclude_history)
+
+
+def _item_ids(values: Any, max_items: int) -> np.ndarray:
+    """`exclude_items` as sorted unique int64 ids: integers in [0, 2**63), at most `max_items`."""
+    if isinstance(values, (str, bytes)):
+        raise InvalidArgument(f"exclude_items: got {_short(values)}, expected a list of item ids")
+    try:
+        array = _integers(values)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(f"exclude_items: not a list of integers ({e})") from None
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iuO"):
+        raise InvalidArgument(f"exclude_items: expected a flat list of integer item ids, got an "
+                              f"array of shape {list(array.shape)} and type {array.dtype}")
+    if len(array) > max_items:
+        raise InvalidArgument(f"exclude_items: {len(array)} ids, more than max_exclude_items="
+                              f"{max_items}")
+    bad = np.flatnonzero((array < 0) | (array > np.iinfo(np.int64).max))
+    if bad.size:
+        raise InvalidArgument(f"exclude_items[{bad[0]}]: got {array[bad[0]]}, expected an item id "
+                              f"in [0, 2**63 - 1]")
+    return np.unique(array.astype(np.int64))
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _prompt_ids(request: RecRequest, field_name: str, limits: SearchLimits,

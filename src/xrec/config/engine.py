@@ -33,6 +33,7 @@ class EngineOptions:
     batch_wait_ms: float = 0.0
     request_timeout_ms: float | None = None
     each_conversion_threshold: int = 50
+    max_exclude_items: int = 100_000     # ids in one request's exclude_items
     total_conversion_threshold: int = 1000
     generation_prefix: str | tuple[int, ...] | None = None   # decoder-only: appended to every
                                          # prompt (text, tokenized; or ids), e.g. "<|sid_begin|>"
@@ -48,6 +49,7 @@ class EngineOptions:
                   "max_top_k": (1, 1 << 16), "max_input_len": (1, 1 << 24),
                   "request_queue_size": (1, 1 << 24), "default_beam_width": (1, 1 << 14),
                   "rounds": (1, 64), "each_conversion_threshold": (0, 1 << 30),
+                  "max_exclude_items": (0, 1 << 24),
                   "total_conversion_threshold": (0, 1 << 30)}
         for name, (low, high) in ranges.items():
             _check_range(name, getattr(self, name), low, high)

@@ -81,7 +81,8 @@ class Engine(EngineFrontend):
                                    options.max_beam_width, options.max_top_k,
                                    options.default_beam_width, options.normalize,
                                    config.accepts_embeddings, config.decoder_start_len,
-                                   max_positions, _generation_prefix(options, config, tokenizer))
+                                   max_positions, _generation_prefix(options, config, tokenizer),
+                                   self.is_constrained, options.max_exclude_items)
         num_pipelines = options.max_concurrency or (2 if device.type == "cuda" else 1)
         self.workspace_per_pipeline = _workspace_budget(model, device, options, num_pipelines)
         total_threads = options.num_threads or torch.get_num_threads()
