@@ -7,8 +7,10 @@ Written against single-line mutants that survived the suite (issue 15).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -157,10 +159,35 @@ class _FakeFamily:
         return 2_000_000
 
 
-def _request(input_len=5, prefix_len=1, beam_width=4, num_results=4, normalize="allowed"):
+def _request(input_len=5, prefix_len=1, beam_width=4, num_results=4, normalize="allowed",
+             exclude_items=None, item_types=None, exclude_history=False):
     from types import SimpleNamespace
     return SimpleNamespace(input_len=input_len, prefix_len=prefix_len, beam_width=beam_width,
-                           num_results=num_results, normalize=normalize)
+                           num_results=num_results, normalize=normalize,
+                           exclude_items=exclude_items, item_types=item_types,
+                           exclude_history=exclude_history)
+
+
+def test_filters_count_their_ids_and_type_sets_in_the_workspace():
+    """A filter's bytes grow with the ids it names (excluded items, the prompt it scans)
+    and with each distinct type allow-list (one live mask over the trie's nodes)."""
+    from xrec.search.workspace import BatchShape, WorkspaceModel
+
+    shape = BatchShape.of([_request(exclude_items=np.arange(10)),
+                           _request(input_len=7, exclude_history=True),
+                           _request(item_types=("a",)), _request(item_types=("a",)),
+                           _request(item_types=("b",))])
+    assert (shape.num_filter_ids, shape.num_type_sets) == (10 + 7, 2)
+    plain = BatchShape.of([_request() for _ in range(5)])
+    assert (plain.num_filter_ids, plain.num_type_sets) == (0, 0)
+    model = WorkspaceModel(_FakeFamily(), 2, 10, 3, num_nodes=1000)
+    base = model.batch_bytes(plain)
+    assert model.batch_bytes(dataclasses.replace(plain, num_filter_ids=100)) > base
+    more_ids = model.batch_bytes(dataclasses.replace(plain, num_filter_ids=200))
+    assert more_ids - model.batch_bytes(dataclasses.replace(plain, num_filter_ids=100)) == 2 * 24 * 100
+    one_set = model.batch_bytes(dataclasses.replace(plain, num_type_sets=1))
+    two_sets = model.batch_bytes(dataclasses.replace(plain, num_type_sets=2))
+    assert two_sets - one_set == 2 * 1000
 
 
 def test_batch_shape_is_padded_to_the_longest_request():

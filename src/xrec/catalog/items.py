@@ -13,7 +13,7 @@ import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -24,7 +24,7 @@ from xrec.errors import InvalidArgument
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CatalogError", "ConstraintTables", "ItemCatalog", "MAX_VOCAB_SIZE", "random_catalog"]
+__all__ = ["CatalogError", "ConstraintTables", "ItemCatalog", "MAX_VOCAB_SIZE", "Trie", "random_catalog"]
 
 TEXT_SUFFIXES = (".txt", ".csv")
 # a vocab_file with one of these suffixes is a tokenizer vocabulary (from_model_dir)
@@ -63,6 +63,12 @@ def _find_sorted(sorted_values: np.ndarray, queries: np.ndarray) -> np.ndarray:
     is_found = np.zeros(len(queries), dtype=bool)  # [N]
     is_found[is_inside] = sorted_values[positions[is_inside]] == queries[is_inside]
     return np.where(is_found, positions, -1)
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """`starts[i], starts[i] + 1, ..., starts[i] + counts[i] - 1` for every i, flat ([sum] int64)."""
+    before = np.cumsum(counts) - counts  # [N]
+    return np.repeat(starts - before, counts) + np.arange(int(counts.sum()))
 
 
 def _is_tokenizer_vocabulary(path: Path) -> bool:
@@ -119,6 +125,21 @@ class ConstraintTables:
         """A copy with every tensor on `device`."""
         return replace(self, tokens=tuple(t.to(device) for t in self.tokens),
                        offsets=tuple(o.to(device) for o in self.offsets))
+
+
+@dataclass(frozen=True, eq=False)
+class Trie:
+    """The catalog's unique triples as a trie, on the host: per depth 1..3 the node's token
+    (`tokens[d - 1]`, nodes sorted like `ConstraintTables`) and its parent at the depth
+    above (`parents[d - 1]`; 0, the root, at depth 1). Depth-3 node u is the rank of its
+    triple among the sorted unique triples."""
+
+    tokens: tuple[np.ndarray, np.ndarray, np.ndarray]   # [F], [P], [U] int64
+    parents: tuple[np.ndarray, np.ndarray, np.ndarray]  # [F], [P], [U] int64
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        return tuple(len(t) for t in self.tokens)
 
 
 class ItemCatalog:
@@ -313,10 +334,13 @@ class ItemCatalog:
         return [rows[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
     def convert_flat(self, triples: Any, each_conversion_threshold: int = 50,
-                     total_conversion_threshold: int = 1000,
-                     seed: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+                     total_conversion_threshold: int = 1000, seed: int | None = None,
+                     keep_rows: Callable[[np.ndarray], np.ndarray] | None = None,
+                     ) -> tuple[np.ndarray, np.ndarray]:
         """`convert` as one flat array: rows `[M]` int64 and offsets `[N + 1]` (triple i's
-        rows are `rows[offsets[i]:offsets[i + 1]]`). Vectorised unless a seed samples."""
+        rows are `rows[offsets[i]:offsets[i + 1]]`). Vectorised unless a seed samples.
+        `keep_rows(rows [K]) -> [K] bool`: only the rows it keeps count, before the caps (a
+        request's item filter: as if the catalog held only those)."""
         for name, value in (("each_conversion_threshold", each_conversion_threshold),
                             ("total_conversion_threshold", total_conversion_threshold)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
@@ -326,13 +350,17 @@ class ItemCatalog:
         queries = catalog_io.as_integer_array(triples, "triples")
         if queries.ndim != 2 or queries.shape[1] != NUM_LEVELS:
             raise InvalidArgument(f"triples: got shape {queries.shape}, expected [N, {NUM_LEVELS}]")
-        is_valid = ((queries >= 0) & (queries < self._vocab_size)).all(axis=1)  # [N]
-        keys = np.where(is_valid, _triple_keys(np.where(is_valid[:, None], queries, 0),
-                                               self._vocab_size), -1)  # [N]
-        positions = _find_sorted(self._unique_keys, keys)  # [N]
+        positions = self.find_triples(queries)  # [N]
         is_found = positions >= 0  # [N]
         starts = np.where(is_found, self._row_offsets[positions], 0)  # [N]
         num_rows = np.where(is_found, self._row_offsets[positions + 1] - starts, 0)  # [N]
+        rows_of = self._key_order   # a triple's rows: rows_of[starts[i]:starts[i] + num_rows[i]]
+        if keep_rows is not None:   # the same, over the rows the filter keeps
+            every = _ranges(starts, num_rows)  # [K]
+            kept = keep_rows(self._key_order[every])  # [K]
+            num_rows = np.bincount(np.repeat(np.arange(len(num_rows)), num_rows)[kept],
+                                   minlength=len(num_rows))  # [N]
+            rows_of, starts = self._key_order[every[kept]], np.cumsum(num_rows) - num_rows
         num_taken = np.minimum(num_rows, each_conversion_threshold)  # [N]
         num_before = np.cumsum(num_taken) - num_taken  # [N]
         num_taken = np.clip(total_conversion_threshold - num_before, 0, num_taken)  # [N]
@@ -344,30 +372,54 @@ class ItemCatalog:
             for index in np.flatnonzero(num_taken < num_rows).tolist():  # only triples a cap cut
                 sample = np.sort(rng.choice(num_rows[index], num_taken[index], replace=False))
                 picks[offsets[index]:offsets[index + 1]] = starts[index] + sample
-        return self._key_order[picks], offsets
+        return rows_of[picks], offsets
 
     # --- constrained decoding -----------------------------------------------------------
 
-    def constraint_tables(self, device: str | torch.device = "cpu") -> ConstraintTables:
-        """Builds the CSR trie of the unique triples (see `ConstraintTables`) on `device`."""
-        import torch
-
+    def trie(self) -> Trie:
+        """The trie of the unique triples as host arrays: the levels `constraint_tables` puts
+        on the device, and each node's parent (what filters need)."""
         vocab_size = self._vocab_size
         triple_keys = self._unique_keys  # [U] sorted
         prefix_keys = triple_keys // vocab_size  # [U] t0*V + t1, sorted
         unique_prefixes = _unique_sorted(prefix_keys)  # [P]
         first_tokens = _unique_sorted(unique_prefixes // vocab_size)  # [F]
-        level_tokens = (first_tokens, unique_prefixes % vocab_size, triple_keys % vocab_size)
         prefix_parents = np.searchsorted(first_tokens, unique_prefixes // vocab_size)  # [P]
         triple_parents = np.searchsorted(unique_prefixes, prefix_keys)  # [U]
-        level_offsets = (np.array([0, len(first_tokens)], dtype=np.int64),  # [2]
-                         _csr_offsets(prefix_parents, len(first_tokens)),  # [F + 1]
-                         _csr_offsets(triple_parents, len(unique_prefixes)))  # [P + 1]
+        return Trie(tokens=(first_tokens, unique_prefixes % vocab_size, triple_keys % vocab_size),
+                    parents=(np.zeros(len(first_tokens), dtype=np.int64), prefix_parents,
+                             triple_parents))
+
+    def triple_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's triple (its index among the sorted unique triples, `[n]`), and each
+        triple's item count (`[U]`)."""
+        counts = np.diff(self._row_offsets)  # [U]
+        rows_triple = np.empty(self.num_items, dtype=np.int64)  # [n]
+        rows_triple[self._key_order] = np.repeat(np.arange(len(counts)), counts)
+        return rows_triple, counts
+
+    def find_triples(self, triples: np.ndarray) -> np.ndarray:
+        """Index of each triple (`[N, 3]`) among the catalog's sorted unique triples (the
+        trie's depth-3 node), -1 where the catalog does not hold it."""
+        queries = np.asarray(triples).reshape(-1, NUM_LEVELS)
+        is_valid = ((queries >= 0) & (queries < self._vocab_size)).all(axis=1)  # [N]
+        keys = np.where(is_valid, _triple_keys(np.where(is_valid[:, None], queries, 0),
+                                               self._vocab_size), -1)  # [N]
+        return _find_sorted(self._unique_keys, keys)
+
+    def constraint_tables(self, device: str | torch.device = "cpu") -> ConstraintTables:
+        """Builds the CSR trie of the unique triples (see `ConstraintTables`) on `device`."""
+        import torch
+
+        trie = self.trie()
+        level_offsets = (np.array([0, len(trie.tokens[0])], dtype=np.int64),  # [2]
+                         _csr_offsets(trie.parents[1], len(trie.tokens[0])),  # [F + 1]
+                         _csr_offsets(trie.parents[2], len(trie.tokens[1])))  # [P + 1]
         max_children = tuple(int(np.diff(o).max()) if len(o) > 1 else 0 for o in level_offsets)
         return ConstraintTables(
-            tokens=tuple(torch.as_tensor(t.astype(np.int64), device=device) for t in level_tokens),
+            tokens=tuple(torch.as_tensor(t.astype(np.int64), device=device) for t in trie.tokens),
             offsets=tuple(torch.as_tensor(o, device=device) for o in level_offsets),
-            max_children=max_children, vocab_size=vocab_size)
+            max_children=max_children, vocab_size=self._vocab_size)
 
 
 def random_catalog(num_items: int, vocab_size: int, seed: int = 0) -> ItemCatalog:

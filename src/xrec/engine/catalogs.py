@@ -20,22 +20,39 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
 
 from xrec.api_types import CatalogVersion, ValidRequest
 from xrec.catalog import ItemCatalog
+from xrec.catalog.filters import FilterIndex, ItemFilter
 from xrec.catalog.formats import first_bad_token
 from xrec.engine.requests import ScheduledRequest
-from xrec.errors import NotFound, Unavailable
+from xrec.errors import NotFound, Unavailable, XrecError
 from xrec.model.family import RecModel
 from xrec.search.step import RecStep
 from xrec.search.workspace import BatchShape, WorkspaceModel
 from xrec.tokenizer import PromptTokenizer
 
 RELEASE_WAIT_S = 30.0   # how long a load waits for batches still running on the previous catalog
+
+
+class _FilterIndexSlot:
+    """A catalog's `FilterIndex`, built by the first batch whose requests filter (catalog-
+    sized arrays that a catalog never filtered on does not pay for); a lock, because two
+    pipelines may ask at once, and each served catalog has its own (no process-wide cache)."""
+
+    def __init__(self) -> None:
+        self._index: FilterIndex | None = None
+        self._lock = threading.Lock()
+
+    def get(self, catalog: ItemCatalog) -> FilterIndex:
+        with self._lock:
+            if self._index is None:
+                self._index = FilterIndex(catalog)
+            return self._index
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,10 +64,36 @@ class ServedCatalog:
     step: RecStep
     workspace: WorkspaceModel
     version: CatalogVersion | None
+    _filter_index: _FilterIndexSlot = field(default_factory=_FilterIndexSlot, repr=False)
 
     @property
     def content_hash(self) -> str | None:
         return None if self.version is None else self.version.content_hash
+
+    @property
+    def trie_sizes(self) -> tuple[int, int, int]:
+        """Nodes of the constraint trie per depth (the filters' node ranges)."""
+        return tuple(len(tokens) for tokens in self.step.tables.tokens)
+
+    def resolve_filters(self, requests: Sequence[ValidRequest],
+                        ) -> list[ItemFilter | XrecError | None]:
+        """Each request's item filter on this catalog: None for a request without one, an
+        `XrecError` for one this catalog cannot apply (types on a catalog without types),
+        which fails that request only."""
+        if not any(r.has_filter for r in requests):
+            return [None] * len(requests)
+        index = self._filter_index.get(self.catalog)
+        resolved: list[ItemFilter | XrecError | None] = []
+        for request in requests:   # per request, at batch formation (never in a round)
+            if not request.has_filter:
+                resolved.append(None)
+                continue
+            try:
+                resolved.append(index.resolve(request.exclude_items, request.item_types,
+                                              request.token_ids if request.exclude_history else None))
+            except XrecError as exc:
+                resolved.append(exc)
+        return resolved
 
     def batch_bytes(self, requests: Sequence[ScheduledRequest[ValidRequest]]) -> int:
         """The workspace these requests need as one batch on this catalog (the scheduler's
@@ -129,7 +172,8 @@ def serve_catalog(catalog: ItemCatalog | None, source: str | None, model: RecMod
                          "token levels")
     step = RecStep(model, tables, rounds)
     widest = max(tables.max_children[1:], default=1) if tables else config.vocab_size
-    workspace = WorkspaceModel(config, model.dtype.itemsize, widest, rounds)
+    num_nodes = sum(len(tokens) for tokens in tables.tokens) if tables else 0
+    workspace = WorkspaceModel(config, model.dtype.itemsize, widest, rounds, num_nodes)
     version = None if catalog is None else CatalogVersion(
         catalog.content_hash(), catalog.num_items, time.time(), source, catalog.is_extended)
     return ServedCatalog(catalog, step, workspace, version)

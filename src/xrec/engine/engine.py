@@ -27,7 +27,7 @@ from xrec.engine.host import own_process, retain_freed_memory
 from xrec.engine.requests import BatchLimits, BatchReport, ScheduledRequest
 from xrec.engine.responses import ResponseData
 from xrec.engine.scheduler import FixedStepsScheduler
-from xrec.errors import InvalidArgument, Unavailable
+from xrec.errors import InvalidArgument, Unavailable, XrecError
 from xrec.model.family import RecModel
 from xrec.model.loader import load_model
 from xrec.search.step import RecStep
@@ -289,7 +289,7 @@ def _with_responses(batch: EngineBatch, report: BatchReport[ResponseData]) -> Ba
     their `ResponseData`: the HTTP server writes its JSON from the arrays)."""
     if not report.is_ok:
         return report
-    answers = tuple(data if r.answer_as_data else data.to_response()
+    answers = tuple(data if r.answer_as_data or isinstance(data, XrecError) else data.to_response()
                     for r, data in zip(batch.requests, report.answers))
     return replace(report, answers=answers)
 

@@ -26,9 +26,10 @@ from xrec.engine.catalogs import ServedCatalog
 from xrec.engine.requests import BatchReport, ScheduledBatch
 from xrec.engine.responses import ResponseData, ms, response_data
 from xrec.engine.threads import use_threads_in_this_thread
-from xrec.errors import Internal
+from xrec.errors import Internal, XrecError
 from xrec.model.family import RecModel
 from xrec.search.batch import prepare_batch
+from xrec.search.filters import SearchFilter
 from xrec.search.workspace_buffers import Workspace
 
 logger = logging.getLogger(__name__)
@@ -128,19 +129,30 @@ class Executor:
         try:
             if self.fault is not None:
                 self.fault(batch)
-            requests = [r.request for r in scheduled]
             served = batch.catalog
-            step_batch = prepare_batch(requests, self.model.config.d_model,
-                                       pin_memory=stream is not None)
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                output = served.step.run(step_batch, workspace)
-            run_ms = ms(self.clock() - started)
-            timings = [{"queue_ms": ms(wait), "run_ms": run_ms} for wait in queue_s]
-            settings = self.answers
-            answers = tuple(response_data(output, requests, served.catalog,
-                                          settings.each_conversion_threshold,
-                                          settings.total_conversion_threshold, timings,
-                                          settings.token_text, served.content_hash))
+            answers: list[ResponseData | XrecError | None] = \
+                served.resolve_filters([r.request for r in scheduled])
+            # a filter the batch's catalog cannot apply fails its request; the rest run
+            runs = [i for i, answer in enumerate(answers) if not isinstance(answer, XrecError)]
+            if runs:
+                requests = [scheduled[i].request for i in runs]
+                filters = [answers[i] for i in runs]
+                is_pinned = stream is not None
+                step_batch = prepare_batch(requests, self.model.config.d_model, is_pinned,
+                                           SearchFilter.of(filters, served.trie_sizes, is_pinned)
+                                           if any(filters) else None)
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    output = served.step.run(step_batch, workspace)
+                run_ms = ms(self.clock() - started)
+                settings = self.answers
+                done = response_data(output, requests, served.catalog,
+                                     settings.each_conversion_threshold,
+                                     settings.total_conversion_threshold,
+                                     [{"queue_ms": ms(queue_s[i]), "run_ms": run_ms} for i in runs],
+                                     settings.token_text, served.content_hash, filters)
+                for i, data in zip(runs, done):
+                    answers[i] = data
+            answers = tuple(answers)
             error = None
         except Exception as exc:  # a failure in one batch fails only that batch
             logger.exception("batch of %d requests failed", batch.num_requests)

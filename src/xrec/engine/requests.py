@@ -164,8 +164,9 @@ class ScheduledBatch(Generic[RequestT, CatalogT]):
 
 @dataclass(frozen=True)
 class BatchReport(Generic[AnswerT]):
-    """What the executor returns for a finished batch: one answer per request in batch order,
-    or the error that failed the whole batch; its sizes and times (seconds) for the metrics."""
+    """What the executor returns for a finished batch: one answer per request in batch order
+    (an `XrecError` answer fails that request alone), or the error that failed the whole
+    batch; its sizes and times (seconds) for the metrics."""
 
     num_requests: int
     num_beams: int

@@ -17,6 +17,7 @@ import numpy as np
 
 from xrec.api_types import RecCandidate, RecItem, RecResponse, ValidRequest
 from xrec.catalog import ItemCatalog
+from xrec.catalog.filters import ItemFilter
 from xrec.search.step import StepOutput
 
 
@@ -57,11 +58,15 @@ def response_data(output: StepOutput, requests: Sequence[ValidRequest], catalog:
                   each_threshold: int, total_threshold: int,
                   timings: Sequence[dict[str, float]],
                   token_text: Callable[[list[int]], str] | None = None,
-                  catalog_version: str | None = None) -> list[ResponseData]:
+                  catalog_version: str | None = None,
+                  filters: Sequence[ItemFilter | None] | None = None) -> list[ResponseData]:
     """One `ResponseData` per request: its finite-score results, best first, with items (and
-    each result's tokens as text when `token_text` is given)."""
+    each result's tokens as text when `token_text` is given). A request's filter keeps the
+    items it removed out of `items`, and its usage counts the excluded ids the catalog
+    does not hold."""
     out = []
     for b, request in enumerate(requests):
+        item_filter = None if filters is None else filters[b]
         num = request.num_results
         scores = output.scores[b, :num]                                   # [N]
         keep = int(np.isfinite(scores).sum())      # -inf sorts last: the first `keep` are real
@@ -70,8 +75,9 @@ def response_data(output: StepOutput, requests: Sequence[ValidRequest], catalog:
         is_whole = catalog is not None and tokens.shape[1] == catalog.triples.shape[1]
         rows, offsets = np.zeros(0, dtype=np.int64), np.zeros(keep + 1, dtype=np.int64)
         if is_whole and request.return_items and keep:
-            rows, offsets = catalog.convert_flat(tokens, each_threshold, total_threshold,
-                                                 seed=request.seed)
+            rows, offsets = catalog.convert_flat(
+                tokens, each_threshold, total_threshold, seed=request.seed,
+                keep_rows=None if item_filter is None else item_filter.allowed_rows)
         dids = types = None
         if catalog is not None and catalog.is_extended:
             row_list = rows.tolist()
@@ -79,11 +85,12 @@ def response_data(output: StepOutput, requests: Sequence[ValidRequest], catalog:
             types = [catalog.types[row] for row in row_list]
         item_ids = catalog.item_ids[rows] if catalog is not None else rows
         texts = [token_text(t) for t in tokens.tolist()] if token_text is not None else None
+        usage = {"input_tokens": request.input_len, "beams": request.beam_width}
+        if item_filter is not None and request.exclude_items is not None:
+            usage["excluded_items_unknown"] = item_filter.num_unknown
         out.append(ResponseData(request.request_id, tokens, scores[:keep],
                                 output.token_logprobs[b, :keep], item_ids, offsets, dids, types,
-                                texts, {"input_tokens": request.input_len,
-                                        "beams": request.beam_width}, timings[b],
-                                catalog_version))
+                                texts, usage, timings[b], catalog_version))
     return out
 
 

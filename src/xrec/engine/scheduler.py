@@ -162,14 +162,17 @@ class FixedStepsScheduler:
         try:
             finished = report.finished_at
             for index, request in enumerate(batch.requests):
+                answer = report.answers[index] if report.error is None else None
                 if report.error is not None:
                     request.fail(type(report.error)(report.error.message))
+                elif isinstance(answer, XrecError):   # this request alone failed
+                    request.fail(answer)
                 elif request.deadline is not None and finished > request.deadline:
                     late_ms = round(1000.0 * (finished - request.deadline), 3)
                     request.fail(DeadlineExceeded(f"request finished {late_ms} ms after its "
                                                   "deadline"))
                 else:
-                    request.answer(report.answers[index])
+                    request.answer(answer)
         finally:
             self.batch_done()
 

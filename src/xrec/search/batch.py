@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from xrec.model.inputs import ModelInputs
+from xrec.search.filters import SearchFilter
 
 
 class SearchRequest(Protocol):
@@ -23,6 +24,9 @@ class SearchRequest(Protocol):
     normalize: str                        # "allowed" | "full"
     temperature: float
     prefix_len: int
+    exclude_items: np.ndarray | None      # item filters (`search/filters.py`; None: none)
+    item_types: tuple[str, ...] | None
+    exclude_history: bool
 
     @property
     def input_len(self) -> int: ...
@@ -37,15 +41,17 @@ class StepBatch:
     num_results: list[int]
     full_rows: list[int]
     temperatures: list[float]
+    filters: SearchFilter | None = None     # the requests' item filters (None: no request has one)
 
     @property
     def num_requests(self) -> int:
         return len(self.beam_widths)
 
 
-def prepare_batch(requests: Sequence[SearchRequest], d_model: int,
-                  pin_memory: bool = False) -> StepBatch:
-    """Pad a batch of requests into one `StepBatch` (pinned for a CUDA copy)."""
+def prepare_batch(requests: Sequence[SearchRequest], d_model: int, pin_memory: bool = False,
+                  filters: SearchFilter | None = None) -> StepBatch:
+    """Pad a batch of requests into one `StepBatch` (pinned for a CUDA copy); `filters`:
+    their item filters (`SearchFilter.of`)."""
     num_len = max(r.input_len for r in requests)
     token_ids = np.zeros((len(requests), num_len), dtype=np.int64)         # [B, L]
     embedding_rows = [i for i, r in enumerate(requests) if r.sparse_embedding is not None]
@@ -79,4 +85,5 @@ def prepare_batch(requests: Sequence[SearchRequest], d_model: int,
         beam_widths=[r.beam_width for r in requests],
         num_results=[r.num_results for r in requests],
         full_rows=[i for i, r in enumerate(requests) if r.normalize == "full"],
-        temperatures=[r.temperature for r in requests])
+        temperatures=[r.temperature for r in requests],
+        filters=filters)

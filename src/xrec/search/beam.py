@@ -19,12 +19,14 @@ class Children:
 
     `tokens [B, W, C]` (padding repeats a valid token), `is_valid [B, W, C]`,
     `first [B, W]`: the index of the beam's first child in the level's token array
-    (child c of a beam becomes node `first + c` one level down).
+    (child c of a beam becomes node `first + c` one level down), `nodes [B, W, C]`:
+    those child nodes (padding repeats a valid one).
     """
 
     tokens: torch.Tensor
     is_valid: torch.Tensor
     first: torch.Tensor
+    nodes: torch.Tensor
 
 
 def gather_children(offsets: torch.Tensor, tokens: torch.Tensor, nodes: torch.Tensor,
@@ -35,7 +37,7 @@ def gather_children(offsets: torch.Tensor, tokens: torch.Tensor, nodes: torch.Te
     rank = torch.arange(max_children, device=nodes.device)
     is_valid = rank < count.unsqueeze(-1)                                # [B, W, C]
     position = (first.unsqueeze(-1) + rank).clamp(max=len(tokens) - 1)
-    return Children(tokens[position], is_valid, first)
+    return Children(tokens[position], is_valid, first, position)
 
 
 def normalize(logits: torch.Tensor, is_valid: torch.Tensor | None,

@@ -11,7 +11,7 @@ once at the end.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -19,6 +19,7 @@ import torch
 from xrec.catalog import ConstraintTables
 from xrec.model.family import RecModel
 from xrec.search.batch import StepBatch
+from xrec.search.filters import SearchFilter
 from xrec.search.workspace_buffers import Workspace
 from xrec.search.beam import (follow_parents, gather_children, mask_beyond, normalize,
                               select_top)
@@ -69,6 +70,7 @@ class RecStep:
         temps = None if all(t in (0.0, 1.0) for t in batch.temperatures) else \
             torch.tensor([t or 1.0 for t in batch.temperatures], device=device).view(-1, 1, 1)
         rows = _Rows(batch.full_rows, num_batch, device, temps)
+        filters = None if batch.filters is None else batch.filters.to(device)
 
         last, context = model.prefill(batch.inputs)                          # [B, D], shared state
         nodes = torch.zeros((num_batch, 1), dtype=torch.long, device=device)
@@ -86,7 +88,8 @@ class RecStep:
                                               None if workspace is None else workspace.take)
                 step_hidden = model.decode_step(tokens[:, :, -1], round_index, context,
                                                 beams)                     # [B, W, D]
-            lp, cand_tokens, first = self._candidates(step_hidden, nodes, round_index, keep, rows)
+            lp, cand_tokens, first = self._candidates(step_hidden, nodes, round_index, keep, rows,
+                                                      filters)
             num_cand = lp.shape[-1]
             cand_scores = (scores.unsqueeze(-1) + lp).flatten(1)           # [B, W*C]
             scores, flat = select_top(cand_scores, keep)                   # [B, keep]
@@ -105,9 +108,11 @@ class RecStep:
         return _to_host(tokens, scores, logprobs, batch.num_results)
 
     def _candidates(self, hidden: torch.Tensor, nodes: torch.Tensor, level: int, keep: int,
-                    rows: "_Rows") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                    rows: "_Rows", filters: SearchFilter | None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Log-probs `[B, W, C]` of each beam's candidate tokens `[B, W, C]`, and the
-        index of each beam's first child in the level (None when unconstrained)."""
+        index of each beam's first child in the level (None when unconstrained). A child
+        a request's filter removed is not a candidate of that request's beams."""
         model = self.model
         if self.tables is None:
             lp = torch.log_softmax(rows.scale(model.logits(hidden)), dim=-1)   # [B, W, V]
@@ -117,6 +122,9 @@ class RecStep:
         tables = self.tables
         children = gather_children(tables.offsets[level], tables.tokens[level], nodes,
                                    tables.max_children[level])
+        keep_filtered = None if filters is None else filters.allowed(level, children.nodes)
+        if keep_filtered is not None:
+            children = replace(children, is_valid=children.is_valid & keep_filtered)
         num_batch, num_beams, num_cand = children.tokens.shape
         full_logits = None
         if self.is_narrow[level] and level == 0:   # every beam at the root: one set of rows

@@ -27,14 +27,20 @@ class BatchShape:
     max_beam_width: int
     max_results: int
     has_full_rows: bool
+    num_filter_ids: int = 0      # ids the batch's filters name (excluded items, prompt positions)
+    num_type_sets: int = 0       # distinct type allow-lists
 
     @classmethod
     def of(cls, requests: Sequence) -> "BatchShape":
-        """From any objects with input_len, prefix_len, beam_width, num_results, normalize."""
+        """From any objects with input_len, prefix_len, beam_width, num_results, normalize
+        and the filters of `search.batch.SearchRequest`."""
+        num_ids = sum((0 if r.exclude_items is None else len(r.exclude_items))
+                      + (r.input_len if r.exclude_history else 0) for r in requests)
+        type_sets = {r.item_types for r in requests if r.item_types is not None}
         return cls(len(requests), max(r.input_len for r in requests),
                    max(r.prefix_len for r in requests), max(r.beam_width for r in requests),
                    max(r.num_results for r in requests),
-                   any(r.normalize == "full" for r in requests))
+                   any(r.normalize == "full" for r in requests), num_ids, len(type_sets))
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,7 @@ class WorkspaceModel:
     dtype_bytes: int
     max_children: int          # widest catalog node after the first level (vocab when unconstrained)
     rounds: int
+    num_nodes: int = 0         # nodes of the catalog's trie, all depths (0 when unconstrained)
 
     def batch_bytes(self, shape: BatchShape) -> int:
         cfg, elem = self.config, self.dtype_bytes
@@ -59,4 +66,13 @@ class WorkspaceModel:
         lm_rows = cfg.vocab_size if shape.has_full_rows or 4 * cands >= cfg.vocab_size else cands
         head = beams * lm_rows * 4 + beams * cands * (d * elem + 16)
         select = num_b * num_w * cands * 12
-        return int(context + beam_kv + decode + head + select)
+        return int(context + beam_kv + decode + head + select + self._filter_bytes(shape, cands))
+
+    def _filter_bytes(self, shape: BatchShape, cands: int) -> int:
+        """The filters' tables (dead nodes per depth, one live mask per type allow-list and
+        one for the rest) and a round's lookup (positions and masks per candidate)."""
+        if not (shape.num_filter_ids or shape.num_type_sets):
+            return 0
+        tables = 3 * 8 * shape.num_filter_ids + (shape.num_type_sets + 1) * self.num_nodes
+        lookup = shape.num_requests * shape.max_beam_width * cands * 10
+        return 2 * tables + lookup   # host (pinned) and device copies
