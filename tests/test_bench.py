@@ -5,6 +5,7 @@ hand-checked inputs. Timings are never asserted."""
 from __future__ import annotations
 
 import json
+import statistics
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -68,6 +69,19 @@ def test_offline_quick_decoder_only_full_mode_equals_hf(home, tmp_path):
         assert set(rows) == {"xrec", "xrec-full", "hf"}   # the naive contender is encoder-decoder only
         assert rows["xrec-full"]["overlap_vs_hf"]["mean"] == 1.0
         assert rows["xrec-full"]["overlap_vs_hf"]["min"] == 1.0
+
+
+def test_offline_quick_filter_row_is_paired_with_the_unfiltered_batch(home, tmp_path):
+    """xrec-filter: the same batch, each request excluding 1,000 items (half the quick
+    catalog) and 2 subtrees; its row reads its batch time against xrec's, run by run."""
+    record = _run("offline", tmp_path, "--contenders", "xrec,xrec-filter")
+    for point in record["points"]:
+        rows = point["contenders"]
+        assert set(rows) == {"xrec", "xrec-filter"}
+        filtered = rows["xrec-filter"]
+        ratios = [f / x for f, x in zip(filtered["wall_ms"], rows["xrec"]["wall_ms"])]
+        assert filtered["vs_unfiltered"] == pytest.approx(statistics.median(ratios))
+    assert "× unfiltered" in next(tmp_path.glob("*.md")).read_text()
 
 
 def test_breakdown_quick_decoder_only(home, tmp_path):

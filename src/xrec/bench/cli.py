@@ -103,18 +103,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     def contenders(p: argparse.ArgumentParser, default: str) -> None:
         p.add_argument("--contenders", type=_names, default=None,
-                       help=f"comma-separated among xrec, xrec-full, hf, naive (default {default})")
+                       help=f"comma-separated among xrec, xrec-full, xrec-filter, hf, naive "
+                            f"(default {default})")
         p.add_argument("--hf-repeats", type=int, default=None,
                        help="measured runs of the slow contenders hf and naive "
                             "(default: --repeats, at most 3)")
 
     offline = sub.add_parser("offline", help="requests/s and latency of a batch vs HF generate")
     common(offline)
-    contenders(offline, "xrec,xrec-full,hf,naive; xrec,xrec-full,hf for --case")
-    offline.add_argument("--case", choices=("target1", "target2", "targets"),
+    contenders(offline, "xrec,xrec-full,hf,naive; xrec,xrec-full,hf for --case; xrec,xrec-filter "
+                        "for --case filter")
+    offline.add_argument("--case", choices=("target1", "target2", "targets", "filter"),
                          help="the headline cases: onerec (docs/quality.md): target1 W=128 L=256 "
                          "16 requests, target2 W=512 L=1024 4 requests; qwen3 (issue 9): target1 "
-                         "W=128 L=256 4 requests; targets: all of the family's")
+                         "W=128 L=256 4 requests; targets: all of the family's; filter (issue "
+                         "25): W=128 L=256 16 requests, xrec against xrec-filter (each request "
+                         "excludes 1,000 items and 2 level-1 subtrees)")
     offline.add_argument("--beam-widths", type=_ints, default=[64, 128, 256, 512])
     offline.add_argument("--lengths", type=_ints, default=[128, 512, 1024])
     offline.add_argument("--num-requests", type=int, default=8)

@@ -8,6 +8,7 @@ the top-N overlap of each contender's triples with HF's ("full" must be 1.0).
 from __future__ import annotations
 
 import argparse
+import statistics
 
 from xrec.bench.lib.args import progress_bar, slow_repeats_of
 from xrec.bench.lib.common import (environment, environment_markdown, markdown_table,
@@ -22,9 +23,15 @@ CASES = {
                "target2": ((512, 1024, 4), {"xrec": 100.0, "xrec-full": 50.0})},
     "qwen3": {"target1": ((128, 256, 4), {"xrec": 200.0, "xrec-full": 50.0})},
 }
+# issue 25: each request excludes 1,000 random items and 2 whole level-1 subtrees, against
+# the same batch unfiltered in the same run: at most this much slower (paired runs)
+FILTER_CASE = (128, 256, 16)
+MAX_FILTER_SLOWDOWN = 1.10
 
 
 def points_of(args: argparse.Namespace) -> list[tuple[tuple[int, int, int], dict]]:
+    if args.case == "filter":
+        return [(FILTER_CASE, {})]
     if args.case:
         cases = CASES[args.family]
         names = list(cases) if args.case == "targets" else [args.case]
@@ -37,7 +44,8 @@ def points_of(args: argparse.Namespace) -> list[tuple[tuple[int, int, int], dict
 
 def run(args: argparse.Namespace) -> int:
     generic = ["xrec", "xrec-full", "hf"] + (["naive"] if args.family == "onerec" else [])
-    names = args.contenders or (["xrec", "xrec-full", "hf"] if args.case else generic)
+    names = args.contenders or (["xrec", "xrec-filter"] if args.case == "filter" else
+                                ["xrec", "xrec-full", "hf"] if args.case else generic)
     slow_repeats = slow_repeats_of(args)
     points = points_of(args)
     contenders = load_for(args, names)
@@ -50,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
             workload = make_workload(contenders.vocab_size, num_requests, length, width, args.seed)
             rows = run_point(contenders, workload, args.warmup, args.repeats, slow_repeats,
                              args.device, bar)
+            _add_filter_ratio(rows)
             results.append({**workload.key, "targets": targets, "contenders": rows})
         bar.close()
     finally:
@@ -65,6 +74,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_filter_ratio(rows: dict[str, dict]) -> None:
+    """xrec-filter's batch time over xrec's, the median of the ratios of runs side by side
+    (interleaved: run i of each ran back to back)."""
+    if "xrec-filter" in rows and "xrec" in rows:
+        pairs = zip(rows["xrec-filter"]["wall_ms"], rows["xrec"]["wall_ms"])
+        rows["xrec-filter"]["vs_unfiltered"] = statistics.median(f / x for f, x in pairs)
+
+
 def markdown(record: dict) -> str:
     header = ["W", "L", "B", "contender", "req/s", "batch ms", "p50 ms", "p95 ms", "p99 ms",
               "× HF", "target", "overlap vs HF", "peak MiB"]
@@ -75,6 +92,10 @@ def markdown(record: dict) -> str:
             speedup = r.get("speedup_vs_hf")
             verdict = None if target is None or speedup is None else \
                 f"≥ {target:g}× {'met' if speedup >= target else 'MISSED'}"
+            slowdown = r.get("vs_unfiltered")
+            if slowdown is not None:
+                verdict = (f"{slowdown:.3f}× unfiltered (≤ {MAX_FILTER_SLOWDOWN:g}× "
+                           f"{'met' if slowdown <= MAX_FILTER_SLOWDOWN else 'MISSED'})")
             ov = r.get("overlap_vs_hf")
             overlap_text = None if not ov or ov["mean"] is None else \
                 f"{ov['mean']:.1%} (min {ov['min']:.1%})"

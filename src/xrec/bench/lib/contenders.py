@@ -1,7 +1,8 @@
 """The contenders a benchmark runs side by side on one `Workload`.
 
 * `XrecContender`: the Python API (`Engine.submit` for every request of the batch, then
-  wait for all, as `Engine.recommend` does) in one normalisation;
+  wait for all, as `Engine.recommend` does) in one normalisation, optionally with each
+  request's item filter (`xrec-filter`);
 * `HFContender`: Hugging Face `generate` on the same weights (exported as T5, or the
   decoder-only model directory loaded as it is), constrained with
   `prefix_allowed_tokens_fn` over the same catalog (a trie of Python lists);
@@ -32,10 +33,13 @@ class RunResult:
 
 
 class XrecContender:
-    """`engine` answers every request of the batch in `normalize` mode."""
+    """`engine` answers every request of the batch in `normalize` mode; `exclusions(workload)`
+    gives each request's `exclude_items` (None: no filter)."""
 
-    def __init__(self, engine, normalize: str, name: str):
+    def __init__(self, engine, normalize: str, name: str,
+                 exclusions: Callable[[Workload], list[np.ndarray]] | None = None):
         self.engine, self.normalize, self.name = engine, normalize, name
+        self.exclusions = exclusions
         self._reports: list[int] = []           # requests per finished batch
         engine.add_report_hook(lambda report: self._reports.append(report.num_requests))
         self._requests: tuple[Workload | None, list] = (None, [])
@@ -45,8 +49,11 @@ class XrecContender:
 
         cached, requests = self._requests
         if cached is not workload:   # built once per workload, outside the timed part
+            excluded = self.exclusions(workload) if self.exclusions is not None else \
+                [None] * workload.num_requests
             requests = [RecRequest(token_ids=row, beam_width=workload.beam_width,
-                                   normalize=self.normalize) for row in workload.token_ids.tolist()]
+                                   normalize=self.normalize, exclude_items=ids)
+                        for row, ids in zip(workload.token_ids.tolist(), excluded)]
             self._requests = (workload, requests)
         done = [0.0] * len(requests)
         reports_before = len(self._reports)

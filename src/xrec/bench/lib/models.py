@@ -60,6 +60,23 @@ class Workload:
                 "num_requests": self.num_requests}
 
 
+def exclusions_of(catalog, workload: Workload, seed: int, num_random: int = 1000,
+                  num_subtrees: int = 2) -> list[np.ndarray]:
+    """Per request of `workload`, the item ids a filtered request excludes: `num_random`
+    random items of `catalog` plus every item of `num_subtrees` random level-1 subtrees."""
+    rng = np.random.default_rng([seed, workload.num_requests, workload.input_len, 7])
+    first = catalog.triples[:, 0]
+    firsts = np.unique(first)
+    out = []
+    for _ in range(workload.num_requests):   # once per workload, outside the timed part
+        random = rng.choice(catalog.num_items, size=min(num_random, catalog.num_items),
+                            replace=False)
+        subtrees = rng.choice(firsts, size=min(num_subtrees, len(firsts)), replace=False)
+        rows = np.union1d(random, np.flatnonzero(np.isin(first, subtrees)))
+        out.append(catalog.item_ids[rows])
+    return out
+
+
 def make_workload(vocab_size: int, num_requests: int, input_len: int, beam_width: int,
                   seed: int) -> Workload:
     rng = np.random.default_rng([seed, num_requests, input_len, beam_width])

@@ -9,10 +9,10 @@ from typing import Any
 
 from xrec.bench.lib.common import MIB, PeakMemory, summarize
 from xrec.bench.lib.contenders import HFContender, XrecContender, build_trie, overlap
-from xrec.bench.lib.models import Workload
+from xrec.bench.lib.models import Workload, exclusions_of
 from xrec.utils.fresh_thread import in_fresh_thread
 
-CONTENDERS = ("xrec", "xrec-full", "hf", "naive")
+CONTENDERS = ("xrec", "xrec-full", "xrec-filter", "hf", "naive")
 SLOW = ("hf", "naive")          # run --hf-repeats times instead of --repeats
 REFERENCE = "hf"
 
@@ -32,7 +32,7 @@ class Contenders:
 
 
 def load_contenders(names: list[str], model_dir: Path, device: str, threads: int | None,
-                    engine_options: dict | None = None) -> Contenders:
+                    engine_options: dict | None = None, seed: int = 0) -> Contenders:
     import torch
 
     from xrec import Engine
@@ -45,7 +45,7 @@ def load_contenders(names: list[str], model_dir: Path, device: str, threads: int
     if threads:
         torch.set_num_threads(threads)
     engine = model = None
-    if {"xrec", "xrec-full"} & set(names):
+    if {"xrec", "xrec-full", "xrec-filter"} & set(names):
         options = {"device": device, "num_threads": threads, **(engine_options or {})}
         engine = Engine.from_pretrained(model_dir, isolation="thread",
                                         **{k: v for k, v in options.items() if v is not None})
@@ -65,6 +65,9 @@ def load_contenders(names: list[str], model_dir: Path, device: str, threads: int
             by_name[name] = XrecContender(engine, "allowed", name)
         elif name == "xrec-full":
             by_name[name] = XrecContender(engine, "full", name)
+        elif name == "xrec-filter":   # each request excludes 1,000 items and 2 subtrees
+            by_name[name] = XrecContender(engine, "allowed", name,
+                                          lambda w, c=catalog: exclusions_of(c, w, seed))
         elif name == "hf":
             by_name[name] = HFContender(_hf_model(model, model_dir, device), trie)
         else:
@@ -106,7 +109,7 @@ def load_for(args, names: list[str]) -> Contenders:
     from xrec.bench.lib.args import model_dir_of
     return in_fresh_thread(
         lambda: load_contenders(names, model_dir_of(args), args.device, args.threads,
-                                {"dtype": args.dtype}))
+                                {"dtype": args.dtype}, args.seed))
 
 
 def run_point(contenders: Contenders, workload: Workload, warmup: int, repeats: int,
