@@ -132,6 +132,7 @@ def test_eval_writes_table_predictions_and_plot(split, trained, tmp_path):
     names = list(report["metrics"])
     assert any(n.startswith("xrec qwen3") for n in names)
     assert {"most-popular", "item-knn", "item-knn, seen removed"} <= set(names)
+    assert not any("in search" in n for n in names) and report["notes"] == []   # no flag, W=50
     lines = (tmp_path / "predictions.jsonl").read_text().splitlines()
     assert len(lines) == int((split.test >= 0).sum())
     first = json.loads(lines[0])
@@ -195,5 +196,5 @@ def test_bad_inputs_have_clear_errors(split, sid_dir, tmp_path):
         train(other, sid_dir, tmp_path / "exists", options, progress=False)
     with pytest.raises(ValueError, match="hidden 30 is not a multiple of heads 4"):
         train(split, sid_dir, tmp_path / "m", TrainOptions(hidden=30, heads=4), progress=False)
-    with pytest.raises(ValueError, match="beam_width"):
-        EvalOptions(beam_width=10)
+    with pytest.raises(ValueError, match="beam_width: got 9, expected >= 10"):
+        EvalOptions(beam_width=9)

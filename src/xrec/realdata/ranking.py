@@ -1,5 +1,10 @@
 """Rankings of a generative model through the normal `Engine` API: one constrained
-beam-search request per user, its candidates' items in score order."""
+beam-search request per user, its candidates' items in score order.
+
+A user's seen items (`Split.history(stage)`, item indices = the catalog's item ids) can be
+left out two ways: `exclude_seen` drops them from the answer after the search (the beam may
+have been spent on them), `exclude_seen_in_search` sends them as the request's
+`exclude_items`, so the search answers as over a catalog without them."""
 
 from __future__ import annotations
 
@@ -44,21 +49,24 @@ class GenerativeRanker:
 
     def rank(self, split: Split, stage: str, k: int, beam_width: int, normalize: str = "full",
              exclude_seen: bool = False, users: np.ndarray | None = None,
-             chunk: int = 256, bar=None) -> np.ndarray:
+             chunk: int = 256, bar=None, exclude_seen_in_search: bool = False) -> np.ndarray:
         """int64 `[len(users), k]` item indices, best first, -1 where fewer than k items
-        came back; `users` default: every user with a target at `stage`."""
+        came back; `users` default: every user with a target at `stage`. `exclude_seen`:
+        the user's history removed from the answer; `exclude_seen_in_search`: excluded
+        inside the search (`RecRequest.exclude_items`)."""
         histories = split.history(stage)
         if users is None:
             users = np.flatnonzero(split.targets(stage) >= 0)
         out = np.full((len(users), k), -1, dtype=np.int64)
         for start in range(0, len(users), chunk):
             part = users[start:start + chunk]
+            seen = [histories[u] for u in part]
             requests = [RecRequest(token_ids=p, beam_width=beam_width,
-                                   num_return_sequences=beam_width, normalize=normalize)
-                        for p in prompts(self.vocab, [histories[u] for u in part], self.max_items)]
-            for row, (u, response) in enumerate(zip(part, self.engine.recommend(requests))):
-                seen = histories[u] if exclude_seen else ()
-                out[start + row] = ranked_items(response, k, seen)
+                                   num_return_sequences=beam_width, normalize=normalize,
+                                   exclude_items=history if exclude_seen_in_search else None)
+                        for p, history in zip(prompts(self.vocab, seen, self.max_items), seen)]
+            for row, (history, response) in enumerate(zip(seen, self.engine.recommend(requests))):
+                out[start + row] = ranked_items(response, k, history if exclude_seen else ())
             if bar is not None:
                 bar.update(len(part))
         return out

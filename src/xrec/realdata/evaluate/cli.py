@@ -1,7 +1,7 @@
 """`xrec eval`: trained models and baselines on a dataset's leave-one-out split.
 
     xrec eval --data {ml-1m,ml-100k,PATH} [--model DIR ...] [--out DIR] [--beam-width N]
-              [--baselines most-popular,item-knn,sasrec] [--stage {test,valid}]
+              [--baselines most-popular,item-knn,sasrec] [--stage {test,valid}] [--exclude-seen]
 """
 
 from __future__ import annotations
@@ -27,7 +27,12 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     ev.add_argument("--out", help="output directory (default: $XREC_HOME/runs/<dataset>/eval)")
     ev.add_argument("--stage", choices=("test", "valid"), default=defaults.stage)
     ev.add_argument("--beam-width", type=int, default=defaults.beam_width,
-                    help=f"beam width = results per user (default {defaults.beam_width})")
+                    help=f"beam width = results per user (default {defaults.beam_width}; at "
+                         f"least 10; below 50 the @50 metrics are over at most W items)")
+    ev.add_argument("--exclude-seen", action="store_true",
+                    help="also rank each model with the user's history excluded inside the "
+                         "search: a row '<model>, seen excluded in search' beside "
+                         "'<model>, seen removed' (removed after the search)")
     ev.add_argument("--normalize", choices=("allowed", "full"), default=defaults.normalize)
     ev.add_argument("--baselines", default=",".join(defaults.baselines),
                     help=f"comma-separated among {', '.join(BASELINES)}, or 'none'")
@@ -53,7 +58,8 @@ def run_eval(args: argparse.Namespace) -> int:
     baselines = () if args.baselines == "none" else tuple(
         b.strip() for b in args.baselines.split(",") if b.strip())
     options = EvalOptions(stage=args.stage, beam_width=args.beam_width, normalize=args.normalize,
-                          baselines=baselines, sasrec_minutes=args.sasrec_minutes, seed=args.seed)
+                          baselines=baselines, sasrec_minutes=args.sasrec_minutes, seed=args.seed,
+                          exclude_seen=args.exclude_seen)
     models = [Path(m) for m in args.model] or trained_models(run_dir(args.data))
     if not models and not baselines:
         raise ValueError("nothing to evaluate: no --model, no model under the run directory, "

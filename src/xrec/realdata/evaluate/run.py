@@ -1,6 +1,10 @@
 """`xrec eval`: trained generative models and the baselines ranked on the same split, the
 metrics of the fixed protocol (docs/real-data.md) with and without already-seen items, the
-published figures beside them; written as JSON, Markdown, a PNG and `predictions.jsonl`."""
+published figures beside them; written as JSON, Markdown, a PNG and `predictions.jsonl`.
+
+Seen items are removed from a generative model's W results after the search ("seen
+removed"), and with `exclude_seen` also excluded inside the search ("seen excluded in
+search": each user's history as the request's `exclude_items`)."""
 
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ from xrec.realdata.data.metrics import metrics_table, ranking_metrics, remove_se
 __all__ = ["EvalOptions", "PUBLISHED", "evaluate"]
 
 KS = (5, 10, 50)
+MIN_BEAM_WIDTH = 10                # HR@10, the headline metric, needs 10 items
+SEEN_REMOVED, SEEN_EXCLUDED = ", seen removed", ", seen excluded in search"   # row suffixes
 BASELINES = ("most-popular", "item-knn", "sasrec")
 # meta-recsys/generative-recommenders README: raw ML-1M, 3,706 items, leave-one-out, full ranking
 PUBLISHED = {"ml-1m": {"SASRec (published)": {"hr@10": 0.2853, "ndcg@10": 0.1603},
@@ -25,17 +31,22 @@ PUBLISHED = {"ml-1m": {"SASRec (published)": {"hr@10": 0.2853, "ndcg@10": 0.1603
 
 @dataclass(frozen=True)
 class EvalOptions:
+    """`beam_width`: results per user of a generative model; below max(KS) = 50 its @50
+    metrics are over at most W items (the report says so). `exclude_seen`: also rank each
+    generative model with the user's history excluded inside the search."""
+
     stage: str = "test"
-    beam_width: int = 128          # >= 50: HR@50 needs 50 items after the seen ones are gone
+    beam_width: int = 128
     normalize: str = "full"
     baselines: tuple[str, ...] = ("most-popular", "item-knn", "sasrec")
     sasrec_minutes: float = 8.0
     seed: int = 0
+    exclude_seen: bool = False
 
     def __post_init__(self):
-        if self.beam_width < max(KS):
-            raise ValueError(f"beam_width: got {self.beam_width}, expected >= {max(KS)} "
-                             f"(HR@{max(KS)} needs that many items)")
+        if self.beam_width < MIN_BEAM_WIDTH:
+            raise ValueError(f"beam_width: got {self.beam_width}, expected >= {MIN_BEAM_WIDTH} "
+                             f"(HR@{MIN_BEAM_WIDTH} needs that many items)")
         if self.stage not in ("valid", "test"):
             raise ValueError(f"stage: got {self.stage!r}, expected 'valid' or 'test'")
         if self.normalize not in ("allowed", "full"):
@@ -60,28 +71,33 @@ def evaluate(split: Split, model_dirs: list[Path], out_dir: Path, options: EvalO
     rankings: dict[str, np.ndarray] = {}
     for model_dir in model_dirs:
         name = _model_name(model_dir)
-        started = time.perf_counter()
-        ranked = _rank_generative(split, model_dir, options, users, progress)
-        timings[name] = time.perf_counter() - started
-        rankings[name] = ranked[:, :k]
-        rows[name] = ranking_metrics(ranked[:, :k], targets, KS)
-        rows[name + ", seen removed"] = ranking_metrics(remove_seen(ranked, histories, k),
-                                                        targets, KS)
-        log(f"{name}: HR@10 {rows[name]['hr@10']:.4f}, NDCG@10 {rows[name]['ndcg@10']:.4f} "
-            f"({timings[name]:.1f} s, {len(users) / timings[name]:.0f} users/s)")
+        passes = _rank_generative(split, model_dir, options, users, progress)
+        ranked, timings[name] = passes[0]
+        rankings[name] = _pad(ranked, k)            # [U, k]; -1 past the W results
+        rows[name] = ranking_metrics(rankings[name], targets, KS)
+        rows[name + SEEN_REMOVED] = ranking_metrics(remove_seen(ranked, histories, k),
+                                                    targets, KS)
+        if options.exclude_seen:
+            excluded, timings[name + SEEN_EXCLUDED] = passes[1]
+            rows[name + SEEN_EXCLUDED] = ranking_metrics(_pad(excluded, k), targets, KS)
+        for row in (name, name + SEEN_EXCLUDED):
+            if row in timings:
+                log(f"{row}: HR@10 {rows[row]['hr@10']:.4f}, NDCG@10 {rows[row]['ndcg@10']:.4f} "
+                    f"({timings[row]:.1f} s, {len(users) / timings[row]:.0f} users/s)")
     for name in options.baselines:
         started = time.perf_counter()
         both = _rank_baseline(name, split, options, k, progress)
         timings[name] = time.perf_counter() - started
         for exclude, ranked in zip((False, True), both):
-            rows[name + (", seen removed" if exclude else "")] = \
+            rows[name + (SEEN_REMOVED if exclude else "")] = \
                 ranking_metrics(ranked[users], targets, KS)
         log(f"{name}: HR@10 {rows[name]['hr@10']:.4f} ({timings[name]:.1f} s)")
     report = {"dataset": split.data.name, "stage": options.stage, "users": int(len(users)),
               "items": split.data.num_items, "options": _jsonable(options.__dict__),
               "metrics": rows, "seconds": {n: round(t, 2) for n, t in timings.items()},
               "published": PUBLISHED.get(split.data.name, {}),
-              "models": {_model_name(d): str(d) for d in model_dirs}}
+              "models": {_model_name(d): str(d) for d in model_dirs},
+              "notes": _notes(options, bool(model_dirs))}
     _write(out_dir, report, split, users, targets, rankings, model_dirs)
     return report
 
@@ -92,20 +108,46 @@ def _model_name(model_dir: Path) -> str:
     return f"{family} ({Path(model_dir).name})"
 
 
-def _rank_generative(split, model_dir, options: EvalOptions, users, progress) -> np.ndarray:
+def _notes(options: EvalOptions, has_models: bool) -> list[str]:
+    """What a reader must know to compare the rows."""
+    if not has_models or options.beam_width >= max(KS):
+        return []
+    return [f"beam width {options.beam_width} < {max(KS)}: a generative model's ranking holds "
+            f"at most {options.beam_width} items, so its @{max(KS)} metrics are over at most "
+            f"{options.beam_width} items and not comparable with the baselines' or the "
+            f"published ones"]
+
+
+def _pad(ranked: np.ndarray, k: int) -> np.ndarray:
+    """`ranked` [U, K] cut or padded with -1 to [U, k]."""
+    padding = np.full((len(ranked), max(0, k - ranked.shape[1])), -1, dtype=ranked.dtype)
+    return np.concatenate([ranked[:, :k], padding], axis=1)
+
+
+def _rank_generative(split, model_dir, options: EvalOptions, users,
+                     progress) -> list[tuple[np.ndarray, float]]:
+    """(ranking [U, W], seconds) of the plain search, then, with `options.exclude_seen`, of
+    the search excluding each user's history. The engine is opened once, before both timed
+    passes."""
     from tqdm import tqdm
 
     from xrec.realdata.ranking import GenerativeRanker
 
     ranker = GenerativeRanker.open(model_dir, split.data.num_items)
-    bar = tqdm(total=len(users), desc=f"eval {Path(model_dir).name}", unit="user",
-               disable=not progress, dynamic_ncols=True)
+    passes = []
     try:
-        return ranker.rank(split, options.stage, options.beam_width, options.beam_width,
-                           normalize=options.normalize, users=users, bar=bar)
+        for in_search in (False, True) if options.exclude_seen else (False,):
+            desc = f"eval {Path(model_dir).name}" + (", seen excluded" if in_search else "")
+            with tqdm(total=len(users), desc=desc, unit="user", disable=not progress,
+                      dynamic_ncols=True) as bar:
+                started = time.perf_counter()
+                ranked = ranker.rank(split, options.stage, options.beam_width,
+                                     options.beam_width, normalize=options.normalize,
+                                     users=users, bar=bar, exclude_seen_in_search=in_search)
+                passes.append((ranked, time.perf_counter() - started))
     finally:
-        bar.close()
         ranker.close()
+    return passes
 
 
 def _rank_baseline(name: str, split: Split, options: EvalOptions, k: int, progress: bool):
@@ -127,9 +169,14 @@ def _write(out_dir: Path, report: dict, split: Split, users, targets, rankings, 
     columns = ("hr@5", "hr@10", "ndcg@10", "hr@50", "ndcg@50")
     table = metrics_table({n: {c: m.get(c) for c in columns} for n, m in rows.items()})
     (out_dir / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
+    options = report["options"]
+    timed = ", ".join(f"{n} {t:,.1f}" for n, t in report["seconds"].items())
+    notes = "".join(f"- {note}\n" for note in report["notes"])
     (out_dir / "eval.md").write_text(
         f"## {report['dataset']}: {report['stage']} stage, {report['users']:,} users, ranking "
-        f"over all {report['items']:,} items\n\n{table}\n")
+        f"over all {report['items']:,} items\n\n{table}\n\n"
+        f"Generative models: beam width {options['beam_width']} = results per user, "
+        f"normalize={options['normalize']}. Seconds: {timed}.\n" + (f"\n{notes}" if notes else ""))
     item_ids, user_ids = split.data.item_ids, split.data.user_ids
     for index, ranked in enumerate(rankings.values()):
         path = out_dir / ("predictions.jsonl" if index == 0 else
@@ -143,15 +190,18 @@ def _write(out_dir: Path, report: dict, split: Split, users, targets, rankings, 
 
 
 def _plot(path: Path, report: dict, model_dirs) -> None:
-    """Left: HR@10 and NDCG@10 per method (no seen removal; published figures hatched).
+    """Left: HR@10 and NDCG@10 per method (published figures hatched); the rows with seen
+    items removed or excluded only when `exclude_seen` asked for the comparison.
     Right: each trained model's validation HR@10 per epoch."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = {n: m for n, m in report["metrics"].items() if "seen removed" not in n}
+    rows = {n: m for n, m in report["metrics"].items()
+            if report["options"]["exclude_seen"] or not n.endswith(SEEN_REMOVED)}
     rows.update(report["published"])
-    fig, (bars, curves) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (bars, curves) = plt.subplots(1, 2, figsize=(max(12, 5 + 0.6 * len(rows)), 4.5),
+                                       width_ratios=(max(1, len(rows) / 8), 1))
     x = np.arange(len(rows))
     for offset, metric in ((-0.2, "hr@10"), (0.2, "ndcg@10")):
         values = [m[metric] for m in rows.values()]
@@ -160,7 +210,8 @@ def _plot(path: Path, report: dict, model_dirs) -> None:
             if name in report["published"]:
                 bar.set_hatch("//")
     bars.set_xticks(x, list(rows), rotation=25, ha="right", fontsize=8)
-    bars.set_title(f"{report['dataset']}, {report['stage']}: {report['users']:,} users")
+    bars.set_title(f"{report['dataset']}, {report['stage']}: {report['users']:,} users, "
+                   f"W={report['options']['beam_width']}")
     bars.legend()
     for model_dir in model_dirs:
         train_report = Path(model_dir) / "train_report.json"
