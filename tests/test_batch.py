@@ -136,6 +136,97 @@ def test_bad_rows_get_error_records_and_the_run_goes_on(tmp_path, model_dir, eng
     assert got[8] == expected_records(engine, [{"id": 9, "token_ids": [5]}], 1)[0]
 
 
+# ---- the exclude_items column -----------------------------------------------------------------
+
+def filtered_records(engine, rows: list[dict], chunk_rows: int, bad: set[int]) -> list[dict]:
+    """Each chunk's valid rows (all but the indices in `bad`) through Engine.recommend at
+    once, with their exclude_items, as records (None for a bad row)."""
+    records: list = []
+    for start in range(0, len(rows), chunk_rows):
+        chunk = [(start + k, r) for k, r in enumerate(rows[start:start + chunk_rows])]
+        valid = [(k, r) for k, r in chunk if k not in bad]
+        answers = iter(engine.recommend([RecRequest(token_ids=r["token_ids"], beam_width=4,
+                                                    exclude_items=r.get("exclude_items"))
+                                         for _, r in valid]))
+        for k, r in chunk:
+            if k in bad:
+                records.append(None)
+                continue
+            results = next(answers).results
+            records.append({"id": r["id"], "tokens": [list(c.tokens) for c in results],
+                            "scores": [c.score for c in results],
+                            "items": [[i.item_id for i in c.items] for c in results],
+                            "error": None})
+    return records
+
+
+def rows_excluding_their_best(engine, rows: list[dict]) -> list[tuple]:
+    """Each row gets exclude_items: every item of its unfiltered best semantic ID, and an id
+    the catalog does not hold; returns those best semantic IDs."""
+    answers = engine.recommend([RecRequest(token_ids=r["token_ids"], beam_width=4) for r in rows])
+    assert 1 not in set(engine.catalog.item_ids.tolist())
+    for row, answer in zip(rows, answers):
+        row["exclude_items"] = [i.item_id for i in answer.results[0].items] + [1]
+    return [list(a.results[0].tokens) for a in answers]
+
+
+def test_exclude_items_column_jsonl(tmp_path, model_dir, engine):
+    rows = token_rows(10, seed=5)
+    best = rows_excluding_their_best(engine, rows)
+    rows[2]["exclude_items"] = None              # null: no filter
+    del rows[3]["exclude_items"]                 # absent: no filter
+    rows[4]["exclude_items"] = [5, -1]
+    rows[5]["exclude_items"] = "1,2"
+    rows[6]["exclude_items"] = [1.5]
+    rows[7]["exclude_items"] = [[5]]
+    run_batch(job(tmp_path, model_dir, write_jsonl(tmp_path / "in.jsonl", rows), chunk_rows=4),
+              engine)
+    got = read_output(tmp_path / "out")
+    bad = {4, 5, 6, 7}
+    assert [r["id"] for r in got] == list(range(10))
+    assert got[4]["error"] == ("INVALID_ARGUMENT: exclude_items[1]: got -1, expected an item id "
+                               "in [0, 2**63 - 1]") and got[4]["tokens"] == []
+    assert got[5]["error"].startswith("INVALID_ARGUMENT: exclude_items: got '1,2'")
+    assert all(got[k]["error"].startswith("INVALID_ARGUMENT: exclude_items") for k in bad)
+    expected = filtered_records(engine, rows, 4, bad)
+    assert [r for k, r in enumerate(got) if k not in bad] == \
+        [r for k, r in enumerate(expected) if k not in bad]
+    for k in set(range(10)) - bad - {2, 3}:   # filtered in the search (issue 25's search part)
+        assert best[k] not in got[k]["tokens"], k
+        assert not {i for items in got[k]["items"] for i in items} & set(rows[k]["exclude_items"])
+    assert best[2] in got[2]["tokens"] and best[3] in got[3]["tokens"]
+
+
+def test_exclude_items_column_parquet(tmp_path, model_dir, engine):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    rows = token_rows(6, seed=6)
+    best = rows_excluding_their_best(engine, rows)
+    rows[1]["exclude_items"] = None
+    rows[4]["exclude_items"] = [7, -7]
+    schema = pa.schema([("id", pa.int64()), ("token_ids", pa.list_(pa.int64())),
+                        ("exclude_items", pa.list_(pa.int64()))])
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp_path / "in.parquet",
+                   row_group_size=4)
+    run_batch(job(tmp_path, model_dir, tmp_path / "in.parquet", chunk_rows=3), engine)
+    got = read_output(tmp_path / "out")
+    assert got[4]["error"].startswith("INVALID_ARGUMENT: exclude_items[1]: got -7")
+    expected = filtered_records(engine, rows, 3, {4})
+    assert got[:4] + got[5:] == expected[:4] + expected[5:]
+    assert best[0] not in got[0]["tokens"] and best[1] in got[1]["tokens"]
+
+
+def test_exclude_items_column_of_another_type_is_refused(tmp_path, model_dir):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.Table.from_pylist([{"id": 1, "token_ids": [1], "exclude_items": ["5"]}]),
+                   tmp_path / "in.parquet")
+    with pytest.raises(ValueError, match="column 'exclude_items' is list<element: string>, "
+                                         "expected a list of integers"):
+        run_batch(job(tmp_path, model_dir, tmp_path / "in.parquet"))
+    with pytest.raises(ValueError, match="--id-column: got 'exclude_items', which is an input"):
+        RowSettings(id_column="exclude_items")
+    assert not (tmp_path / "out").exists()
+
+
 # ---- file-level problems: refused before anything is written -----------------------------------
 
 def test_missing_columns_and_files_are_refused(tmp_path, model_dir):

@@ -108,6 +108,41 @@ def test_recommend_bad_token_ids(tiny_model, home, token_ids, words):
     assert not any(ROW.match(line) for line in proc.stdout.splitlines())
 
 
+def test_recommend_excludes_items(tiny_model, home):
+    """`--exclude-items`: the best semantic ID's items and an id the catalog does not hold
+    are left out in the search (issue 25), and the unknown one is counted."""
+    base = ("recommend", "--model", str(tiny_model), "--token-ids", "1,2,3", "--beam-width", "16",
+            "--device", "cpu")
+    proc = xrec_cli(*base, "--json", home=home)
+    assert proc.returncode == 0, proc.stderr
+    best = json.loads(proc.stdout)[0]
+    excluded = best["items"] + [1]
+    assert 1 not in set(ItemCatalog.from_model_dir(tiny_model, 64).item_ids.tolist())
+    proc = xrec_cli(*base, "--exclude-items", ",".join(map(str, excluded)), home=home)
+    assert proc.returncode == 0, proc.stderr
+    assert "1 excluded ids not in the catalog" in proc.stdout.splitlines()[0], proc.stdout
+    rows = [m for m in map(ROW.match, proc.stdout.splitlines()) if m]
+    assert len(rows) == 10
+    assert tuple(best["tokens"]) not in [(int(m[2]), int(m[3]), int(m[4])) for m in rows]
+    assert not {int(x) for m in rows for x in re.findall(r"\d+", m[7])} & set(excluded)
+
+
+@pytest.mark.parametrize("flags,words", [
+    (("--exclude-items", "1,x"), ["--exclude-items: expected comma-separated integers", "1,x"]),
+    (("--exclude-items", "1,-5"), ["INVALID_ARGUMENT", "exclude_items[1]: got -5"]),
+    (("--item-types", "video,live"), ["INVALID_ARGUMENT", "item_types"]),   # an untyped catalog
+    (("--exclude-history",), ["INVALID_ARGUMENT", "exclude_history", "decoder-only"]),
+])
+def test_recommend_bad_filters(tiny_model, home, flags, words):
+    proc = xrec_cli("recommend", "--model", str(tiny_model), "--token-ids", "1,2,3", "--device",
+                    "cpu", *flags, home=home)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr, proc.stderr
+    for word in words:
+        assert word in proc.stderr, proc.stderr
+    assert not any(ROW.match(line) for line in proc.stdout.splitlines())
+
+
 @pytest.fixture(scope="module")
 def sid_model(tmp_path_factory, home):
     out = tmp_path_factory.mktemp("models") / "qwen3"

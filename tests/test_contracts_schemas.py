@@ -316,11 +316,12 @@ def test_xllm_response_fields_by_name():
 
 
 
-def _limits(accepts_embeddings: bool, d_model: int):
+def _limits(accepts_embeddings: bool, d_model: int, is_constrained: bool = False):
     from xrec.api_types import SearchLimits
     return SearchLimits(vocab_size=100, d_model=d_model, max_input_len=10, max_beam_width=4,
                         max_top_k=4, default_beam_width=4, default_normalize="allowed",
-                        accepts_embeddings=accepts_embeddings)
+                        accepts_embeddings=accepts_embeddings, is_constrained=is_constrained,
+                        max_exclude_items=1000)
 
 
 def test_body_limits_are_the_largest_valid_request():
@@ -335,6 +336,20 @@ def test_body_limits_are_the_largest_valid_request():
     assert max_body_bytes(_limits(True, 64)) == 2 * 10 * 64 * 32 + slack
     assert max_json_values(_limits(False, 64)) == 10 * 17 + 4096       # no embeddings read
     assert max_body_bytes(_limits(False, 64)) == 10 * 256 + slack
+    # a catalog constrains the search: room for max_exclude_items ids as well
+    assert max_json_values(_limits(True, 64, True)) == 2 * 10 * 64 + 1000 + 4096
+    assert max_body_bytes(_limits(True, 64, True)) == (2 * 10 * 64 + 1000) * 32 + slack
+    assert max_body_bytes(_limits(False, 64, True)) == 10 * 256 + 1000 * 32 + slack
+
+
+def test_filter_usage_reaches_the_openai_shaped_answers():
+    response = _response()
+    assert "excluded_items_unknown" not in xllm_response(response, "m", 2, False)["usage"]
+    counted = RecResponse(request_id="rid", results=response.results,
+                          usage={"input_tokens": 3, "excluded_items_unknown": 4}, timing={})
+    assert xllm_response(counted, "m", rounds=2, is_items_on=False)["usage"] == \
+        {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+         "excluded_items_unknown": 4}
 
 
 def test_the_first_character_outside_bang_to_tilde_is_named():

@@ -144,7 +144,7 @@ def test_excluding_everything_leaves_no_result(served):
                            exclude_items=catalog.item_ids.tolist())
 
 
-@pytest.mark.parametrize("types", [("movie",), ("show", "short"), ()])
+@pytest.mark.parametrize("types", [("movie",), ("show", "short"), ("unused",)])
 def test_type_allow_lists_with_exclusions(served, types):
     _, _, catalog, _ = served
     rng = np.random.default_rng(len(types))
@@ -214,6 +214,8 @@ def test_filters_need_a_catalog_and_history_a_tokenizer(tmp_path):
                 engine.submit(RecRequest(token_ids=[1, 2], exclude_items=bad))
         with pytest.raises(InvalidArgument, match="item_types"):
             engine.submit(RecRequest(token_ids=[1, 2], item_types="movie"))
+        with pytest.raises(InvalidArgument, match="item_types: an empty allow-list"):
+            engine.submit(RecRequest(token_ids=[1, 2], item_types=[]))
     with Engine.from_pretrained(directory, isolation="thread", device="cpu", constrained=False,
                                 max_exclude_items=3) as engine:
         with pytest.raises(InvalidArgument, match="exclude_items.*without a catalog"):

@@ -137,6 +137,33 @@ def test_ray_batch_writes_the_in_process_bytes_jsonl(tmp_path, cluster, model_di
     assert distributed[3]["error"].startswith("INVALID_ARGUMENT: row is not JSON")
 
 
+def test_ray_batch_reads_the_exclude_items_column(tmp_path, cluster, model_dir):
+    """The optional list<int64> column reaches each actor's rows (Parquet reads name their
+    columns): the records are the in-process ones, a bad list an error record."""
+    from xrec.catalog import ItemCatalog
+
+    rng = np.random.default_rng(5)
+    catalog_ids = ItemCatalog.from_model_dir(model_dir, VOCAB).item_ids
+    rows = [{"id": i, "token_ids": rng.integers(0, VOCAB, 6).tolist(),   # a fifth of the items
+             "exclude_items": rng.choice(catalog_ids, 100).tolist() if i % 3 else None}
+            for i in range(40)]
+    rows[11]["exclude_items"] = [3, -3]
+    schema = pa.schema([("id", pa.int64()), ("token_ids", pa.list_(pa.int64())),
+                        ("exclude_items", pa.list_(pa.int64()))])
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp_path / "in.parquet",
+                   row_group_size=16)
+    run_batch(batch_job(tmp_path, model_dir, tmp_path / "in.parquet", "local"))
+    summary = run_batch_ray(batch_job(tmp_path, model_dir, tmp_path / "in.parquet", "ray"),
+                            RAY_OPTIONS)
+    assert (summary.num_rows, summary.num_errors) == (40, 1)
+    local, distributed = read_output(tmp_path / "local"), read_output(tmp_path / "ray")
+    assert distributed[11]["error"].startswith("INVALID_ARGUMENT: exclude_items[1]: got -3")
+    assert_same_records(distributed, local)
+    for row, record in zip(rows, distributed):   # filtered in the search (issue 25)
+        recommended = {i for items in record["items"] for i in items}
+        assert not recommended & set(row["exclude_items"] or []), row["id"]
+
+
 def test_ray_pool_that_takes_every_cpu_is_refused():
     assert pool_size(2.0, 1, RayOptions()) == (1, 1.0)
     assert pool_size(9.0, 2, RayOptions()) == (4, 2.0)

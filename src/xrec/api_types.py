@@ -274,6 +274,9 @@ def _filters(request: RecRequest, limits: SearchLimits, tokenizer: Any,
         if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)) or \
                 not all(isinstance(v, str) for v in values):
             raise InvalidArgument(f"item_types: got {_short(values)}, expected a list of strings")
+        if len(values) == 0:
+            raise InvalidArgument("item_types: an empty allow-list allows no item; omit "
+                                  "item_types to allow every type")
         types = tuple(sorted(set(values)))
     return exclude, types, bool(request.exclude_history)
 

@@ -58,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--beam-width", type=int, default=128)
     rec.add_argument("--top-n", type=int, default=10, help="rows to print")
     rec.add_argument("--normalize", choices=("allowed", "full"), default="allowed")
+    filters = rec.add_argument_group("filters (models with a catalog; docs/beam-search.md)")
+    filters.add_argument("--exclude-items", help="comma-separated catalog item ids never to "
+                         "recommend, e.g. 1,2,3")
+    filters.add_argument("--item-types", help="comma-separated item types to recommend only "
+                         "(extended catalogs), e.g. video,live")
+    filters.add_argument("--exclude-history", action="store_true", help="decoder-only models: "
+                         "exclude the items the prompt or chat names")
     rec.add_argument("--device", default="auto")
     rec.add_argument("--json", action="store_true", help="print JSON instead of a table")
     rec.set_defaults(run=_recommend)
@@ -71,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default: $XREC_API_KEY; none when unset; an empty key is refused)")
     serve.add_argument("--served-model-name", help="model name in the API (default: the directory's)")
     serve.add_argument("--max-body-bytes", type=int, default=None, help="default: the size of "
-                       "the largest valid request for the model (26 MiB for onerec-0.015b)")
+                       "the largest valid request for the model (35 MiB for onerec-0.015b)")
     serve.add_argument("--grace-s", type=float, default=30.0, help="drain time on SIGTERM")
     limits = serve.add_argument_group("connection limits (README, Serving)")
     limits.add_argument("--max-header-bytes", type=int, default=None,
@@ -125,7 +132,11 @@ def _recommend(args: argparse.Namespace) -> int:
     from xrec.errors import XrecError
 
     model_dir = model_dir_or_demo(args.model)
-    search = dict(beam_width=args.beam_width, normalize=args.normalize)
+    search = dict(beam_width=args.beam_width, normalize=args.normalize,
+                  exclude_items=_int_list("--exclude-items", args.exclude_items),
+                  item_types=None if args.item_types is None else
+                  [t.strip() for t in args.item_types.split(",") if t.strip()],
+                  exclude_history=args.exclude_history)
     if args.embedding:
         request = RecRequest(sparse_embedding=np.load(args.embedding), **search)
     elif args.prompt is not None:
@@ -133,12 +144,7 @@ def _recommend(args: argparse.Namespace) -> int:
     elif args.chat is not None:
         request = RecRequest(messages=[{"role": "user", "content": args.chat}], **search)
     else:
-        text = args.token_ids or "1,2,3"
-        try:
-            ids = [int(t) for t in text.split(",") if t.strip()]
-        except ValueError:
-            raise ValueError(f"--token-ids: expected comma-separated integers, got {text!r}") from None
-        request = RecRequest(token_ids=ids, **search)
+        request = RecRequest(token_ids=_int_list("--token-ids", args.token_ids or "1,2,3"), **search)
     with Engine.from_pretrained(model_dir, isolation="thread", catalog=args.catalog, device=args.device,
                                 generation_prefix=args.generation_prefix) as engine:
         try:
@@ -151,8 +157,10 @@ def _recommend(args: argparse.Namespace) -> int:
         print(json.dumps([{"tokens": list(r.tokens), "text": r.text, "score": r.score,
                            "items": [i.item_id for i in r.items]} for r in rows]))
         return 0
+    unknown = response.usage.get("excluded_items_unknown")
+    excluded = "" if unknown is None else f", {unknown} excluded ids not in the catalog"
     print(f"model {model_dir}: {len(response.results)} results in {response.timing['run_ms']:.1f} ms "
-          f"(beam width {request.beam_width}); best {len(rows)}:")
+          f"(beam width {request.beam_width}{excluded}); best {len(rows)}:")
     print(f"{'rank':>4}  {'semantic id':<20} {'score':>9}  {'round log-probs':<26} items")
     for rank, r in enumerate(rows, 1):
         ids = ", ".join(str(i.item_id) for i in r.items[:3]) + (" ..." if len(r.items) > 3 else "")
@@ -160,6 +168,16 @@ def _recommend(args: argparse.Namespace) -> int:
         sid = r.text or str(r.tokens)
         print(f"{rank:>4}  {sid:<20} {r.score:>9.4f}  {lps:<26} {ids}")
     return 0
+
+
+def _int_list(flag: str, text: str | None) -> list[int] | None:
+    """Comma-separated integers ("1,2,3") as a list; None stays None."""
+    if text is None:
+        return None
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"{flag}: expected comma-separated integers, got {text!r}") from None
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -33,7 +33,8 @@ def add_batch_parser(sub: Any) -> argparse.ArgumentParser:
     batch = sub.add_parser("batch", help="recommendations for every row of a Parquet / JSONL "
                            "file (offline candidate generation), in process or with --ray")
     batch.add_argument("--input", required=True, help="Parquet or JSONL file, one request per "
-                       "row: an id column and token_ids, prompt or sparse_embedding")
+                       "row: an id column and token_ids, prompt or sparse_embedding; optional "
+                       "exclude_items (a list of catalog item ids never to recommend)")
     batch.add_argument("--output", required=True, help="output directory (part files + "
                        "_xrec_batch.json); refused if it exists, unless --resume or --overwrite")
     batch.add_argument("--model", help="model directory (default: the built-in demo model)")

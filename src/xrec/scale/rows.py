@@ -2,7 +2,9 @@
 
 Input: one Parquet or JSONL file, one request per row: an id column (`--id-column`,
 default `id`) and exactly one input of `token_ids` (list of ints), `prompt` (text,
-models with a tokenizer) or `sparse_embedding` (rows of d_model floats).
+models with a tokenizer) or `sparse_embedding` (rows of d_model floats). Optional:
+`exclude_items`, the row's catalog item ids never to recommend (a JSON list; Parquet:
+a list of integers; null or absent: none), as `RecRequest.exclude_items`.
 
 Output: one record per input row, in input order:
 
@@ -12,9 +14,10 @@ Output: one record per input row, in input order:
     items    [N][*] the catalog items of each semantic id
     error    null, or "CODE: message" for a row that failed (its lists are empty)
 
-A row that fails (a malformed JSON line, no input, a request the engine refuses) gets
-an error record and the run goes on; a file-level problem (no id column, no input
-column, an unreadable file) stops the run before anything is written.
+A row that fails (a malformed JSON line, no input, a request the engine refuses, a bad
+`exclude_items`) gets an error record and the run goes on; a file-level problem (no id
+column, no input column, an unreadable file, a Parquet `exclude_items` column that is
+not a list of integers) stops the run before anything is written.
 
 JSONL lines are split as Ray Data's `read_text` splits them (`str.splitlines`, blank
 lines dropped), so both paths number the same rows. pyarrow (Parquet) is imported only
@@ -33,6 +36,7 @@ import orjson
 from xrec.api_types import RecRequest, RecResponse
 
 INPUT_FIELDS = ("token_ids", "prompt", "sparse_embedding")
+FILTER_FIELDS = ("exclude_items",)   # optional columns, RecRequest fields of the same names
 OUTPUT_COLUMNS = ("id", "tokens", "scores", "items", "error")
 SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl",
             ".json": "jsonl"}
@@ -53,7 +57,7 @@ class RowSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.id_column, str) or not self.id_column:
             raise ValueError(f"--id-column: got {self.id_column!r}, expected a column name")
-        if self.id_column in INPUT_FIELDS:
+        if self.id_column in INPUT_FIELDS + FILTER_FIELDS:
             raise ValueError(f"--id-column: got {self.id_column!r}, which is an input column")
 
 
@@ -93,7 +97,8 @@ def pyarrow_modules() -> tuple[Any, Any]:
 
 @dataclass(frozen=True)
 class InputInfo:
-    """What `check_input` learnt: format, the input column, the rows, the columns to read."""
+    """What `check_input` learnt: format, the input column, the rows, the columns to read
+    (the id, the input, then the filter columns the file has)."""
 
     path: str
     format: str
@@ -104,8 +109,8 @@ class InputInfo:
 
 def check_input(path: str | os.PathLike, fmt: str, settings: RowSettings) -> InputInfo:
     """The file's columns checked before anything runs: the id column and exactly one
-    input column must be there (JSONL: in the first row). ValueError names what is
-    missing and what the file has."""
+    input column must be there (JSONL: in the first row); a Parquet filter column must
+    hold lists of integers. ValueError names what is missing and what the file has."""
     path = str(path)
     if not os.path.isfile(path):
         raise ValueError(f"--input {path}: no such file")
@@ -116,6 +121,7 @@ def check_input(path: str | os.PathLike, fmt: str, settings: RowSettings) -> Inp
         except Exception as e:   # pyarrow's own errors: not a Parquet file, truncated, ...
             raise ValueError(f"--input {path}: not a readable Parquet file ({e})") from None
         names, num_rows = list(meta.schema_arrow.names), meta.metadata.num_rows
+        _check_filter_types(path, meta.schema_arrow)
     else:
         first = next((line for _, line in jsonl_lines(path)), None)
         if first is None:
@@ -139,7 +145,22 @@ def check_input(path: str | os.PathLike, fmt: str, settings: RowSettings) -> Inp
                          f"{', '.join(INPUT_FIELDS)}, found {', '.join(given) or 'none'} "
                          f"(columns: {', '.join(names)})")
     column = given[0] if given else INPUT_FIELDS[0]
-    return InputInfo(path, fmt, column, num_rows, (settings.id_column, column))
+    filters = tuple(name for name in FILTER_FIELDS if name in names) if fmt == "parquet" else ()
+    return InputInfo(path, fmt, column, num_rows, (settings.id_column, column, *filters))
+
+
+def _check_filter_types(path: str, schema: Any) -> None:
+    """A Parquet `exclude_items` column is a list of integers (one type for every row), or
+    all null."""
+    pa, _ = pyarrow_modules()
+    for name in FILTER_FIELDS:
+        if name not in schema.names:
+            continue
+        kind = schema.field(name).type
+        is_list = pa.types.is_list(kind) or pa.types.is_large_list(kind)
+        if not (pa.types.is_null(kind) or is_list and pa.types.is_integer(kind.value_type)):
+            raise ValueError(f"--input {path}: column {name!r} is {kind}, expected a list of "
+                             "integers (list<int64>)")
 
 
 def jsonl_lines(path: str) -> Iterator[tuple[int, str]]:
@@ -216,9 +237,10 @@ def decode_row(raw: Any, settings: RowSettings) -> tuple[Any, RecRequest]:
         raise RowError(row_id, "INVALID_ARGUMENT",
                        f"row needs exactly one of {', '.join(INPUT_FIELDS)}, got "
                        f"{', '.join(given) or 'none'}")
+    filters = {name: raw[name] for name in FILTER_FIELDS if raw.get(name) is not None}
     request = RecRequest(**{given[0]: raw[given[0]]}, beam_width=settings.beam_width,
                          num_return_sequences=settings.num_results, normalize=settings.normalize,
-                         return_items=settings.return_items)
+                         return_items=settings.return_items, **filters)
     return row_id, request
 
 

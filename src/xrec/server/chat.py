@@ -21,6 +21,10 @@ Decisions where docs/serving.md leaves a choice:
   semantic ID has R tokens); sampling knobs (`temperature`, `top_p`, penalties,
   `seed`, `stop`) are accepted and ignored, as on `/v1/completions`; `stream: true`
   is 400.
+- The filters (`exclude_items`, `item_types`, `exclude_history`) are xrec extensions,
+  as on the other routes (schemas.py); `exclude_history` excludes the items the
+  conversation names by their semantic IDs, and `usage.excluded_items_unknown`
+  counts the excluded ids the catalog does not hold.
 """
 
 from __future__ import annotations
@@ -28,11 +32,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from xrec.api_types import RecRequest, RecResponse
 from xrec.errors import InvalidArgument
-from xrec.server.schemas import STRICT
+from xrec.server.schemas import (EXCLUDE_HISTORY, EXCLUDE_ITEMS, ITEM_TYPES, STRICT, filter_usage,
+                                 filters_of)
 
 MAX_TOP_LOGPROBS = 20
 
@@ -55,6 +60,9 @@ class ChatRequest(BaseModel):
     normalize: str | None = None
     return_items: bool = True
     timeout_ms: float | None = None
+    exclude_items: list[int] | None = Field(None, description=EXCLUDE_ITEMS)
+    item_types: list[str] | None = Field(None, description=ITEM_TYPES)
+    exclude_history: bool = Field(False, description=EXCLUDE_HISTORY)
     # OpenAI fields accepted and ignored
     temperature: Any = None
     top_p: Any = None
@@ -93,7 +101,7 @@ def chat_request(req: ChatRequest, request_id: str) -> RecRequest:
         messages=req.messages, beam_width=req.beam_width,
         num_return_sequences=req.num_return_sequences if req.n is None else req.n,
         top_k=req.top_k, normalize=req.normalize, return_items=req.return_items,
-        timeout_ms=req.timeout_ms, request_id=request_id)
+        timeout_ms=req.timeout_ms, request_id=request_id, **filters_of(req))
 
 
 def chat_response(response: RecResponse, model: str, rounds: int, req: ChatRequest,
@@ -119,4 +127,4 @@ def chat_response(response: RecResponse, model: str, rounds: int, req: ChatReque
     return {"id": response.request_id, "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                      "total_tokens": prompt_tokens + completion}}
+                      "total_tokens": prompt_tokens + completion, **filter_usage(response.usage)}}

@@ -7,7 +7,9 @@ and from the response models below, which describe what the routes answer (they
 are documentation: the routes build their JSON directly, and
 tests/test_server_fuzz.py checks every answer against them). Range checks that
 depend on the served model (vocabulary, beam width, lengths) are not in the schema:
-they are answered 400 with the allowed range.
+they are answered 400 with the allowed range. The item filters (`exclude_items`,
+`item_types`, `exclude_history`) are described on each request model; a response's
+`usage` then carries `excluded_items_unknown`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
 from xrec.server import chat, schemas
@@ -57,11 +59,15 @@ class Result(BaseModel):
     text: str | None
 
 
+USAGE = ("Counts of the request's work; with exclude_items also excluded_items_unknown, the "
+         "excluded ids the catalog does not hold.")
+
+
 class NativeResponse(BaseModel):
     id: str
     model: str
     results: list[Result]
-    usage: dict[str, int]
+    usage: dict[str, int] = Field(description=USAGE)
     timing: dict[str, float]
 
 
@@ -91,7 +97,7 @@ class XllmResponse(BaseModel):
     created: int
     model: str
     choices: list[XllmChoice]
-    usage: dict[str, int]
+    usage: dict[str, int] = Field(description=USAGE)
     output_tensors: list[OutputTensor]
 
 
@@ -116,7 +122,7 @@ class ChatResponse(BaseModel):
     created: int
     model: str
     choices: list[ChatChoice]
-    usage: dict[str, int]
+    usage: dict[str, int] = Field(description=USAGE)
 
 
 # route -> request examples valid for any served model of the route's family

@@ -14,7 +14,8 @@ Decisions where docs/serving.md leaves a choice:
 - Unknown fields are refused (422): on the native route any name not listed
   below; on the xllm route any name that is not a field of xllm's
   `CompletionRequest` proto or one of the xrec extensions
-  (`num_return_sequences`, `normalize`, `return_items`, `timeout_ms`). Proto
+  (`num_return_sequences`, `normalize`, `return_items`, `timeout_ms` and the
+  filters `exclude_items`, `item_types`, `exclude_history`). Proto
   fields that mean nothing here (`temperature`, `top_p`, `n`, `echo`, ...)
   are accepted and ignored; `stream: true` is 400. A non-empty `prompt` is
   text for a model with a tokenizer (decoder-only); an empty one is absent.
@@ -30,7 +31,16 @@ Decisions where docs/serving.md leaves a choice:
   (docs/decisions.md, HTTP server), so a body is refused 413 before parsing when it
   holds more values (commas) than the largest valid request for the served model
   (`max_json_values`). The default body limit is that request's size at 32 bytes a
-  value (`max_body_bytes`): 26 MiB for onerec-0.015b (L = 4096, d_model = 128).
+  value (`max_body_bytes`): 35 MiB for onerec-0.015b (L = 4096, d_model = 128, and
+  100,000 excluded ids).
+- Filters (`exclude_items`, `item_types`, `exclude_history`; docs/beam-search.md,
+  "Filters") on all three routes (xllm and chat: as xrec extensions): the schema checks
+  the JSON types (422: a list of integers, a list of strings, a boolean); ids below 0 or
+  above 2**63 - 1, more than the engine's `max_exclude_items`, or a filter the served
+  model cannot apply are the engine's 400. The body limits admit `max_exclude_items`
+  ids on an engine that constrains to a catalog (filters need one). With
+  `exclude_items`, `usage` carries `excluded_items_unknown` (the ids the batch's
+  catalog does not hold) on every route.
 - Native embeddings: `{"shape": [L, D], "data": [L*D floats, row-major]}` or
   `{"shape": [L, D], "b64": base64 of L*D little-endian float32}`; exactly one
   of `data` / `b64`.
@@ -47,7 +57,8 @@ Decisions where docs/serving.md leaves a choice:
   says, as xllm's rec path does with `enable_rec_score_output`; its
   `tokens` are the token strings (`"<s_a_1>"`, joined they are `text`) when
   the model has a tokenizer, else the decimal ids.
-  `usage.completion_tokens` = N * R. Output tensors use xllm's JSON names
+  `usage.completion_tokens` = N * R (and `usage.excluded_items_unknown` with
+  `exclude_items`). Output tensors use xllm's JSON names
   (`name`, `datatype`, `shape`, `contents.{int64,int,fp32}_contents`).
   With items on (the engine has a catalog and `return_items` is true),
   `rec_result` is INT64 `[N]`: the first item of each result (xllm's default
@@ -66,7 +77,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from xrec.api_types import RecRequest, RecResponse, SearchLimits
 from xrec.errors import InvalidArgument, PayloadTooLarge
@@ -82,6 +93,15 @@ BYTES_PER_VALUE = 32      # "-2.2250738585072014e-308, " is 26; pretty-printed J
 BYTES_PER_TOKEN = 256     # prompt / messages text: a token's characters, JSON-escaped
 VALUES_PER_TOKEN = 16     # commas of a prompt's text per token (counted as JSON values)
 BODY_SLACK_BYTES = 64 << 10
+USAGE_FILTER_KEYS = ("excluded_items_unknown",)   # usage keys the filters add (engine)
+# the filter fields of the three request models (OpenAPI descriptions)
+EXCLUDE_ITEMS = ("Catalog item ids never to recommend (integers >= 0, at most the engine's "
+                 "max_exclude_items); ids the catalog does not hold are ignored and counted in "
+                 "usage.excluded_items_unknown. Engines that constrain to a catalog.")
+ITEM_TYPES = ("Recommend only items of these types (an allow-list of the catalog's `type` "
+              "strings; extended catalogs).")
+EXCLUDE_HISTORY = ("Exclude every catalog item whose semantic ID appears in the prompt "
+                   "(decoder-only models with a tokenizer and a catalog).")
 
 
 class SchemaError(InvalidArgument):
@@ -114,6 +134,9 @@ class NativeRequest(BaseModel):
     timeout_ms: float | None = None
     seed: int | None = None
     request_id: str | None = None
+    exclude_items: list[int] | None = Field(None, description=EXCLUDE_ITEMS)
+    item_types: list[str] | None = Field(None, description=ITEM_TYPES)
+    exclude_history: bool = Field(False, description=EXCLUDE_HISTORY)
 
 
 class TensorContents(BaseModel):
@@ -165,6 +188,9 @@ class XllmRequest(BaseModel):
     normalize: str | None = None
     return_items: bool = True
     timeout_ms: float | None = None
+    exclude_items: list[int] | None = Field(None, description=EXCLUDE_ITEMS)
+    item_types: list[str] | None = Field(None, description=ITEM_TYPES)
+    exclude_history: bool = Field(False, description=EXCLUDE_HISTORY)
     # proto fields accepted and ignored (OpenAI sampling knobs, serving hints)
     best_of: Any = None
     temperature: Any = None
@@ -188,10 +214,11 @@ class XllmRequest(BaseModel):
 def max_json_values(limits: SearchLimits) -> int:
     """JSON values (bounded by commas) the largest valid request for `limits` holds: two
     [max_input_len, d_model] embeddings when the model reads embeddings, else token ids
-    and prompt text; plus a margin for the other fields."""
+    and prompt text; plus `max_exclude_items` ids when the engine constrains to a catalog
+    (filters need one); plus a margin for the other fields."""
     tokens = limits.max_input_len * (1 + VALUES_PER_TOKEN)
     embeddings = 2 * limits.max_input_len * limits.d_model if limits.accepts_embeddings else 0
-    return max(tokens, embeddings) + 4096
+    return max(tokens, embeddings) + _max_exclude_items(limits) + 4096
 
 
 def max_body_bytes(limits: SearchLimits) -> int:
@@ -199,7 +226,12 @@ def max_body_bytes(limits: SearchLimits) -> int:
     text = limits.max_input_len * BYTES_PER_TOKEN
     embeddings = 2 * limits.max_input_len * limits.d_model * BYTES_PER_VALUE \
         if limits.accepts_embeddings else 0
-    return max(text, embeddings) + BODY_SLACK_BYTES
+    ids = _max_exclude_items(limits) * BYTES_PER_VALUE   # "9223372036854775807, " is 21
+    return max(text, embeddings) + ids + BODY_SLACK_BYTES
+
+
+def _max_exclude_items(limits: SearchLimits) -> int:
+    return limits.max_exclude_items if limits.is_constrained else 0
 
 
 def check_value_count(body: bytes, max_values: int) -> None:
@@ -266,7 +298,14 @@ def native_request(req: NativeRequest, request_id: str) -> RecRequest:
         beam_width=req.beam_width, top_k=req.top_k, num_return_sequences=req.num_return_sequences,
         normalize=req.normalize, temperature=1.0 if req.temperature is None else req.temperature,
         return_items=req.return_items, timeout_ms=req.timeout_ms, request_id=request_id,
-        seed=req.seed)
+        seed=req.seed, **filters_of(req))
+
+
+def filters_of(req: Any) -> dict:
+    """The filter fields of a parsed body (native, xllm or chat) as `RecRequest` keyword
+    arguments; the engine checks them."""
+    return {"exclude_items": req.exclude_items, "item_types": req.item_types,
+            "exclude_history": req.exclude_history}
 
 
 def xllm_request(req: XllmRequest, request_id: str) -> RecRequest:
@@ -304,7 +343,7 @@ def xllm_request(req: XllmRequest, request_id: str) -> RecRequest:
         decoder_context_embedding=tensors.get("decoder_context_embedding"),
         beam_width=req.beam_width, top_k=top_k, num_return_sequences=req.num_return_sequences,
         normalize=req.normalize, return_items=req.return_items, timeout_ms=req.timeout_ms,
-        request_id=request_id)
+        request_id=request_id, **filters_of(req))
 
 
 def _matrix(name: str, matrix: Matrix | None) -> np.ndarray | None:
@@ -389,9 +428,15 @@ def xllm_response(response: RecResponse, model: str, rounds: int, is_items_on: b
         "id": response.request_id, "object": "text_completion", "created": int(time.time()),
         "model": model, "choices": choices,
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": num * rounds,
-                  "total_tokens": prompt_tokens + num * rounds},
+                  "total_tokens": prompt_tokens + num * rounds, **filter_usage(response.usage)},
         "output_tensors": [
             rec_result, _tensor("sku_logprobs", "FLOAT", [num, rounds], "fp32_contents", logprobs)]}
+
+
+def filter_usage(usage: dict) -> dict:
+    """The filters' usage keys (`excluded_items_unknown`) of an answer that has them, for the
+    OpenAI-shaped `usage` of the xllm and chat answers."""
+    return {key: usage[key] for key in USAGE_FILTER_KEYS if key in usage}
 
 
 def _tensor(name: str, datatype: Literal["INT64", "INT32", "FLOAT"], shape: list[int],
