@@ -19,6 +19,8 @@ from pathlib import Path
 STATS = Path("mutmut-stats.json")   # mutmut runs the tests inside mutants/
 # mutant name prefix -> the test files that speak for that module
 TESTS_OF = (
+    ("xrec.catalog.filters.", ("test_filters.py",)),
+    ("xrec.search.filters.", ("test_filters.py",)),
     ("xrec.model.", ("test_contracts_model.py", "test_model.py", "test_xattention.py",
                      "test_qwen.py")),
     ("xrec.search.", ("test_contracts_search.py", "test_search.py", "test_workspace.py",

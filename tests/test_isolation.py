@@ -283,3 +283,22 @@ def test_arena_allocator_coalesces_and_refuses_when_full():
     arena.free(second)
     assert arena.free_bytes == arena.size and len(arena._free) == 1
     assert loads(dumps({"b": big}, arena)[0], arena)["b"].sum() == big.sum()
+
+
+def test_filters_cross_to_the_child_and_answer_as_in_thread(model_dir, engine):
+    """A filtered request in a process-isolated engine: the child resolves it on its
+    catalog; the answer equals the in-process engine's, unknown-id count included."""
+    from xrec.catalog import ItemCatalog
+
+    ids = ItemCatalog.from_model_dir(model_dir, 64).item_ids.tolist()
+    requests = [RecRequest(token_ids=[1, 2, 3 + i], beam_width=8, request_id=f"f{i}",
+                           exclude_items=ids[i::3 + i] + [2**62 + 7 + i])   # + an unknown id
+                for i in range(3)]
+    got = [f.result(WAIT_S) for f in engine.submit_many(requests)]
+    with Engine.from_pretrained(model_dir, isolation="thread", device="cpu") as local:
+        want = local.recommend(requests)
+    for request, g, w in zip(requests, got, want):
+        assert g.usage == w.usage and g.usage["excluded_items_unknown"] == 1
+        assert not {i.item_id for r in g.results for i in r.items} & set(request.exclude_items)
+        assert [(r.tokens, [i.item_id for i in r.items]) for r in g.results] == \
+            [(r.tokens, [i.item_id for i in r.items]) for r in w.results]
