@@ -17,6 +17,7 @@ keeps serving; the previous one is gone by then (the price of the two-catalog bo
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 import weakref
@@ -91,8 +92,8 @@ class ServedCatalog:
             try:
                 resolved.append(index.resolve(request.exclude_items, request.item_types,
                                               request.token_ids if request.exclude_history else None))
-            except XrecError as exc:
-                resolved.append(exc)
+            except XrecError as exc:   # without its traceback: its frames hold this catalog
+                resolved.append(exc.with_traceback(None))
         return resolved
 
     def batch_bytes(self, requests: Sequence[ScheduledRequest[ValidRequest]]) -> int:
@@ -147,6 +148,8 @@ class CatalogSlots:
         released = threading.Event()
         weakref.finalize(self._slots[1], released.set)
         self._slots = (self._slots[0], None)
+        if not released.is_set():   # a reference cycle (an exception's frames) may hold it
+            gc.collect()
         if not released.wait(self.release_wait_s):
             raise Unavailable(f"a batch launched on the previous catalog is still running after "
                               f"{self.release_wait_s:g} s; retry the load")
