@@ -285,13 +285,7 @@ def _item_ids(values: Any, max_items: int) -> np.ndarray:
     """`exclude_items` as sorted unique int64 ids: integers in [0, 2**63), at most `max_items`."""
     if isinstance(values, (str, bytes)):
         raise InvalidArgument(f"exclude_items: got {_short(values)}, expected a list of item ids")
-    try:
-        array = _integers(values)
-    except (TypeError, ValueError) as e:
-        raise InvalidArgument(f"exclude_items: not a list of integers ({e})") from None
-    if array.ndim != 1 or (array.size and array.dtype.kind not in "iuO"):
-        raise InvalidArgument(f"exclude_items: expected a flat list of integer item ids, got an "
-                              f"array of shape {list(array.shape)} and type {array.dtype}")
+    array = _integer_list(values, "exclude_items", "integer item ids")
     if len(array) > max_items:
         raise InvalidArgument(f"exclude_items: {len(array)} ids, more than max_exclude_items="
                               f"{max_items}")
@@ -342,14 +336,20 @@ def _int(name: str, value: Any, default: int, low: int, high: int) -> int:
     return int(value)
 
 
-def _token_ids(values: Any, limits: SearchLimits, name: str = "token_ids") -> np.ndarray:
+def _integer_list(values: Any, name: str, what: str = "integers") -> np.ndarray:
+    """`values` as a flat integer array (`_integers`), or `InvalidArgument` naming `name`."""
     try:
         array = _integers(values)
     except (TypeError, ValueError) as e:
         raise InvalidArgument(f"{name}: not a list of integers ({e})") from None
     if array.ndim != 1 or (array.size and array.dtype.kind not in "iuO"):
-        raise InvalidArgument(f"{name}: expected a flat list of integers, got an array of "
+        raise InvalidArgument(f"{name}: expected a flat list of {what}, got an array of "
                               f"shape {list(array.shape)} and type {array.dtype}")
+    return array
+
+
+def _token_ids(values: Any, limits: SearchLimits, name: str = "token_ids") -> np.ndarray:
+    array = _integer_list(values, name)
     # checked before the cast to int64: 2**63 must not wrap to -2**63 in the message
     bad = np.flatnonzero((array < 0) | (array >= limits.vocab_size))
     if bad.size:
