@@ -30,7 +30,7 @@ TESTS_OF = (
     ("xrec.engine.engine.", ("test_engine.py", "test_api.py")),
     ("xrec.engine.frontend.", ("test_engine.py", "test_api.py")),
     ("xrec.engine.responses.", ("test_engine.py", "test_api.py")),
-    ("xrec.engine.", ("test_scheduler.py", "test_engine.py")),
+    ("xrec.engine.", ("test_scheduler.py", "test_engine.py", "test_deadlines.py")),
     ("xrec.server.schemas", ("test_contracts_schemas.py",)),
 )
 

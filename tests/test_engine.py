@@ -309,6 +309,55 @@ def test_an_engine_in_a_hosts_process_changes_nothing_process_wide(model_dir):
             gc.unfreeze()
 
 
+def _use_and_drop(model_dir) -> tuple[set[threading.Thread], list]:
+    """An in-thread engine that served requests, dropped: (the threads it started, the
+    futures of its requests, which the caller keeps)."""
+    before = set(threading.enumerate())
+    engine = Engine.from_pretrained(model_dir, isolation="thread", device="cpu")
+    futures = engine.submit_many(_requests(3))
+    wait(futures, timeout=WAIT_S)
+    return set(threading.enumerate()) - before, futures
+
+
+def test_a_used_engine_dropped_ends_its_threads(model_dir):
+    """The scheduler's and pipelines' threads and callbacks hold the parts, never the
+    engine: dropping it stops them (as close(0) does)."""
+    threads, futures = _use_and_drop(model_dir)
+    assert all(f.result(0).results for f in futures)
+    assert {t.name for t in threads} >= {"xrec-scheduler", "xrec-pipeline-0"}
+    gc.collect()
+    for thread in threads:
+        thread.join(WAIT_S)
+    assert not [t.name for t in threads if t.is_alive()]
+
+
+def test_close_stops_a_running_batch_between_rounds(model_dir):
+    """close(grace_s=0) with a batch running: it stops at its next round, its request fails
+    UNAVAILABLE, and the pipeline thread has ended when close returns."""
+    before = set(threading.enumerate())
+    engine = Engine.from_pretrained(model_dir, isolation="thread", device="cpu")
+    threads = set(threading.enumerate()) - before
+    entered, release = threading.Event(), threading.Event()
+
+    def fault(batch):
+        entered.set()
+        release.wait(WAIT_S)
+    engine.executor.fault = fault
+    running = engine.submit(RecRequest(token_ids=[1, 2], beam_width=4))
+    assert entered.wait(WAIT_S)
+    closer = threading.Thread(target=engine.close, args=(0.0,), daemon=True)
+    closer.start()
+    deadline = time.monotonic() + WAIT_S
+    while not engine.executor.is_stopping and time.monotonic() < deadline:
+        time.sleep(0.01)
+    release.set()
+    closer.join(WAIT_S)
+    assert not closer.is_alive() and not [t.name for t in threads if t.is_alive()]
+    with pytest.raises(Unavailable, match="stopped before round 1 of 3"):
+        running.result(0)
+    assert engine.executor.num_rounds_run == 0
+
+
 def test_stats_say_whether_the_engine_takes_work(model_dir):
     """`stats().is_serving` (a Ray replica's health check reads it): true while open,
     false once closed."""

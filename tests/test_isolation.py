@@ -198,6 +198,28 @@ def test_close_and_garbage_collection_end_the_child(model_dir):
     assert _wait_gone(pid)
 
 
+def _use_and_drop(model_dir) -> tuple[int, list]:
+    """An engine that served a request and one that was never used, dropped: (the used
+    one's child pid, the futures of its requests, which the caller keeps)."""
+    engine = Engine.from_pretrained(model_dir, isolation="process", device="cpu")
+    assert engine.recommend(_requests(1))[0].results
+    futures = engine.submit_many(_requests(2))
+    wait(futures, timeout=WAIT_S)
+    return engine.pid, futures
+
+
+def test_a_used_engine_dropped_ends_its_child(model_dir):
+    """Nothing the engine leaves behind (the receiver's last message, the futures and their
+    callbacks, the deadline timer) keeps it alive: dropping it ends its child."""
+    pids = []
+    for _ in range(2):
+        pid, futures = _use_and_drop(model_dir)
+        assert all(f.result(0).results for f in futures)
+        pids.append(pid)
+    gc.collect()
+    assert all(_wait_gone(pid) for pid in pids)
+
+
 def test_parent_killed_leaves_no_child(model_dir):
     script = textwrap.dedent(f"""
         import sys, time

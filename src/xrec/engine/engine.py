@@ -6,10 +6,12 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
@@ -22,7 +24,7 @@ from xrec.catalog import ItemCatalog
 from xrec.config import EngineOptions, FamilyConfig
 from xrec.engine.catalogs import CatalogSlots, ServedCatalog, serve_catalog
 from xrec.engine.executor import AnswerSettings, EngineBatch, Executor
-from xrec.engine.frontend import EngineFrontend, EngineStats
+from xrec.engine.frontend import EngineFrontend, EngineStats, arrival_time
 from xrec.engine.host import own_process, retain_freed_memory
 from xrec.engine.requests import BatchLimits, BatchReport, ScheduledRequest
 from xrec.engine.responses import ResponseData
@@ -51,6 +53,12 @@ class Engine(EngineFrontend):
     that ran a parallel op keeps an OpenMP team, and libgomp then throttles every team
     of the process. `from_pretrained`'s default, isolation="process", avoids that
     (README, "Embedding the engine").
+
+    `close()` drains; an engine not closed is stopped (`close(0)`: waiting requests
+    fail UNAVAILABLE, a running batch stops at its next round, the threads end) when it
+    is garbage-collected or the interpreter exits, so that no torch work is running
+    when the interpreter finalizes (that aborts the process). Its threads and their
+    callbacks hold the scheduler and the executor, never the engine.
     """
 
     def __init__(self, model: RecModel, catalog: ItemCatalog | None, options: EngineOptions,
@@ -65,7 +73,6 @@ class Engine(EngineFrontend):
         calls `xrec.engine.host.own_process` once the engine is loaded."""
         self.model, self.options, self.model_name = model, options, model_name
         self.tokenizer = tokenizer
-        self._answers_as_data = answers_as_data
         config = model.config
         device = model.device
         if device.type == "cpu" and options.retain_host_memory:
@@ -74,7 +81,7 @@ class Engine(EngineFrontend):
         self.is_constrained = catalog is not None if options.constrained is None else options.constrained
         if self.is_constrained and catalog is None:
             raise ValueError("option constrained=true needs a catalog (none was found or given)")
-        self._catalogs = CatalogSlots(self._serve_catalog(catalog, source=None))
+        self._catalogs = catalogs = CatalogSlots(self._serve_catalog(catalog, source=None))
         max_positions = None if config.max_positions is None else \
             config.max_positions - (options.rounds - 1)
         self.limits = SearchLimits(config.vocab_size, config.d_model, options.max_input_len,
@@ -88,18 +95,24 @@ class Engine(EngineFrontend):
         total_threads = options.num_threads or torch.get_num_threads()
         threads = max(1, total_threads // num_pipelines) if device.type == "cpu" else None
         self._report_hooks: list[Callable[[BatchReport], None]] = []
-        self.scheduler = FixedStepsScheduler(
+        # The callbacks below reference the parts, not `self`: the engine stays collectable.
+        self.scheduler = scheduler = FixedStepsScheduler(
             BatchLimits(options.max_seqs_per_batch, options.max_tokens_per_batch,
                         options.max_beams_per_batch, self.workspace_per_pipeline, num_pipelines,
                         options.request_queue_size, options.batch_wait_ms),
-            launch=self._launch, catalog=lambda: self._catalogs.current)
+            launch=lambda batch: executor.launch(batch),   # assigned below, before start()
+            catalog=lambda: catalogs.current)
         answers = AnswerSettings(options.each_conversion_threshold,
                                  options.total_conversion_threshold,
                                  None if tokenizer is None else tokenizer.tokens_text)
-        self.executor = Executor(model, num_pipelines, threads, answers, self._batch_done)
+        self.executor = executor = Executor(
+            model, num_pipelines, threads, answers,
+            functools.partial(_batch_done, scheduler, self._report_hooks, answers_as_data))
         self.num_pipelines = num_pipelines
         self._closed = threading.Event()
-        self.scheduler.start()
+        scheduler.start()
+        self._finalizer = weakref.finalize(self, _close_when_collected, scheduler, executor,
+                                           self._closed, (scheduler.thread, *executor.threads))
         logger.info("engine ready: %s, %.1fM parameters, %s %s, %d pipeline(s), workspace %.1f MiB "
                     "each, catalog %s, options %s", model_name, config.num_parameters / 1e6, device,
                     model.dtype, num_pipelines, self.workspace_per_pipeline / 2**20,
@@ -124,17 +137,19 @@ class Engine(EngineFrontend):
 
     # ---- requests ----------------------------------------------------------
 
-    def submit_valid(self, valid: ValidRequest, as_data: bool = False) -> Future:
+    def submit_valid(self, valid: ValidRequest, as_data: bool = False,
+                     arrived_at: float | None = None) -> Future:
         """Queue a request that `validate` returned."""
-        scheduled = self._schedule(valid, as_data)
+        scheduled = self._schedule(valid, as_data, arrival_time(arrived_at))
         self.scheduler.submit(scheduled)
         return scheduled.future
 
-    def submit_valid_many(self, valids: Sequence[ValidRequest],
-                          as_data: bool = False) -> list[Future]:
+    def submit_valid_many(self, valids: Sequence[ValidRequest], as_data: bool = False,
+                          arrived_at: float | None = None) -> list[Future]:
         """Queue validated requests at once (so they can share a batch); a request refused
         at admission (queue full, too big) has its future failed."""
-        scheduled = [self._schedule(valid, as_data) for valid in valids]
+        arrival = arrival_time(arrived_at)
+        scheduled = [self._schedule(valid, as_data, arrival) for valid in valids]
         self.scheduler.submit_many(scheduled)
         return [s.future for s in scheduled]
 
@@ -144,11 +159,11 @@ class Engine(EngineFrontend):
     def release_wakeups(self) -> None:
         self.scheduler.release_wakeups()
 
-    def _schedule(self, valid: ValidRequest, as_data: bool) -> ScheduledRequest:
+    def _schedule(self, valid: ValidRequest, as_data: bool, arrival: float) -> ScheduledRequest:
         if self._closed.is_set():
             raise Unavailable("engine is closed")
         timeout = valid.timeout_ms or self.options.request_timeout_ms
-        deadline = None if timeout is None else time.monotonic() + timeout / 1000.0
+        deadline = None if timeout is None else arrival + timeout / 1000.0
         return ScheduledRequest(valid.request_id, valid.input_len + valid.prefix_len,
                                 valid.beam_width, valid.num_results, request=valid,
                                 deadline=deadline, answer_as_data=as_data)
@@ -233,12 +248,11 @@ class Engine(EngineFrontend):
     # ---- lifecycle ---------------------------------------------------------
 
     def close(self, grace_s: float = 30.0) -> None:
-        """Stop accepting, finish what is queued and running (up to `grace_s`), stop threads."""
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        self.scheduler.close(grace_s)
-        self.executor.close(grace_s)
+        """Stop accepting, finish what is queued and running (up to `grace_s`), then stop:
+        what still waits fails UNAVAILABLE, a batch still running stops at its next round
+        (UNAVAILABLE), and the threads end. Idempotent."""
+        if self._finalizer.detach() is not None:
+            _close_parts(self.scheduler, self.executor, self._closed, grace_s)
 
     def describe(self) -> dict:
         """What start-up logs and a process-isolated engine's parent show (plain values)."""
@@ -267,21 +281,41 @@ class Engine(EngineFrontend):
                            executor.workspace_bytes_in_use, self.catalog_version,
                            not self._closed.is_set() and scheduler.is_running)
 
-    # ---- internals -----------------------------------------------------------
 
-    def _launch(self, batch: EngineBatch) -> None:
-        self.executor.launch(batch)
+def _batch_done(scheduler: FixedStepsScheduler, hooks: list[Callable[[BatchReport], None]],
+                answers_as_data: bool, batch: EngineBatch,
+                report: BatchReport[ResponseData]) -> None:
+    """A pipeline finished `batch` (on that pipeline's thread): the scheduler answers its
+    requests and frees its slot, then the hooks see the report."""
+    if not answers_as_data:
+        report = _with_responses(batch, report)
+    scheduler.finish(batch, report)
+    if hooks:
+        summary = report.without_answers()
+        for hook in hooks:
+            hook(summary)
 
-    def _batch_done(self, batch: EngineBatch, report: BatchReport[ResponseData]) -> None:
-        """A pipeline finished `batch` (on that pipeline's thread): the scheduler answers its
-        requests and frees its slot, then the hooks see the report."""
-        if not self._answers_as_data:
-            report = _with_responses(batch, report)
-        self.scheduler.finish(batch, report)
-        if self._report_hooks:
-            summary = report.without_answers()
-            for hook in self._report_hooks:
-                hook(summary)
+
+def _close_when_collected(scheduler: FixedStepsScheduler, executor: Executor,
+                          closed: threading.Event, threads: tuple) -> None:
+    """The finalizer: `close(0)` once the engine is collected or the interpreter exits. On
+    one of the engine's own `threads` (a cyclic collection runs wherever it is triggered,
+    maybe while that thread holds one of the engine's locks) it closes on a new thread."""
+    if threading.current_thread() in threads:
+        threading.Thread(target=_close_parts, args=(scheduler, executor, closed, 0.0),
+                         name="xrec-engine-close", daemon=True).start()
+    else:
+        _close_parts(scheduler, executor, closed, 0.0)
+
+
+def _close_parts(scheduler: FixedStepsScheduler, executor: Executor, closed: threading.Event,
+                 grace_s: float) -> None:
+    """`Engine.close`, also run when an engine is collected or the interpreter exits (grace
+    0): refuse, drain for `grace_s`, fail what waits, stop running batches, end the threads."""
+    closed.set()
+    deadline = time.monotonic() + grace_s
+    scheduler.close(grace_s)
+    executor.close(max(0.0, deadline - time.monotonic()))
 
 
 def _with_responses(batch: EngineBatch, report: BatchReport[ResponseData]) -> BatchReport:

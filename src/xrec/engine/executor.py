@@ -8,6 +8,10 @@ model and take no lock from each other; a batch runs on the catalog
 (`ServedCatalog`: tables and items, read-only) it was scheduled on, even when the
 engine swaps catalogs meanwhile. A failure inside a batch fails that batch only;
 the pipeline goes on serving.
+
+Between rounds (never inside one) a batch stops when every request in it has passed
+its deadline (DEADLINE_EXCEEDED) or when `close` stops the pipelines (UNAVAILABLE):
+a request's answer is then an error at once instead of a result nobody can use.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from xrec.engine.catalogs import ServedCatalog
 from xrec.engine.requests import BatchReport, ScheduledBatch
 from xrec.engine.responses import ResponseData, ms, response_data
 from xrec.engine.threads import use_threads_in_this_thread
-from xrec.errors import Internal, XrecError
+from xrec.errors import DeadlineExceeded, Internal, Unavailable, XrecError
 from xrec.model.family import RecModel
 from xrec.search.batch import prepare_batch
 from xrec.search.filters import SearchFilter
@@ -35,6 +39,16 @@ from xrec.search.workspace_buffers import Workspace
 logger = logging.getLogger(__name__)
 
 EngineBatch = ScheduledBatch["ValidRequest", ServedCatalog]   # noqa: F821 (a type alias only)
+
+STOP_WAIT_S = 60.0  # close(): how long a stopped pipeline may take to end its round
+
+
+class _Stopped(Exception):
+    """Raised between rounds to stop a batch; `error` is what its requests are answered."""
+
+    def __init__(self, error: XrecError):
+        super().__init__(error.message)
+        self.error = error
 
 
 @dataclass(frozen=True)
@@ -52,7 +66,8 @@ class Executor:
     `threads_per_pipeline` intra-op threads on a CPU (None: torch's default).
 
     Test seams: `fault` (called with the batch before it runs; may raise) and `clock`
-    (the time a batch's answers are ready, in the scheduler's time base).
+    (the time base of deadlines and of when a batch's answers are ready: the scheduler's).
+    `num_rounds_run` counts the rounds the pipelines have started, all batches together.
     """
 
     def __init__(self, model: RecModel, num_pipelines: int, threads_per_pipeline: int | None,
@@ -66,6 +81,8 @@ class Executor:
         self._busy = 0
         self._bytes_in_use = 0
         self._busy_lock = threading.Lock()
+        self._num_rounds_run = 0
+        self._is_stopping = threading.Event()   # close(): batches stop at their next round
         device = model.device
         self._pipelines = [threading.Thread(target=self._serve, args=(device,),
                                             name=f"xrec-pipeline-{index}", daemon=True)
@@ -78,6 +95,20 @@ class Executor:
         return self._busy
 
     @property
+    def threads(self) -> tuple[threading.Thread, ...]:
+        """The pipelines' worker threads."""
+        return tuple(self._pipelines)
+
+    @property
+    def num_rounds_run(self) -> int:
+        return self._num_rounds_run
+
+    @property
+    def is_stopping(self) -> bool:
+        """`close` has stopped the pipelines: a running batch stops at its next round."""
+        return self._is_stopping.is_set()
+
+    @property
     def workspace_bytes_in_use(self) -> int:
         """The workspace estimate of the batches running now (the scheduler's admission figure)."""
         return self._bytes_in_use
@@ -87,12 +118,25 @@ class Executor:
         on `batch.catalog` whatever the engine serves by then."""
         self._work.put(batch)
 
-    def close(self, timeout_s: float = 30.0) -> None:
+    def close(self, grace_s: float = 30.0) -> None:
+        """End the pipelines: batches launched before this run and may finish for up to
+        `grace_s`; then those still running stop at their next round (their requests
+        answered UNAVAILABLE) and the threads are joined, waiting at most STOP_WAIT_S
+        for a round to end. Idempotent; from a pipeline thread it does not wait for
+        that thread."""
         for _ in self._pipelines:
             self._work.put(None)
-        deadline = time.monotonic() + timeout_s
-        for thread in self._pipelines:
+        others = [t for t in self._pipelines if t is not threading.current_thread()]
+        deadline = time.monotonic() + max(0.0, grace_s)
+        for thread in others:
             thread.join(max(0.0, deadline - time.monotonic()))
+        self._is_stopping.set()
+        deadline = time.monotonic() + STOP_WAIT_S
+        for thread in others:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                logger.error("pipeline %s still runs a round %.0f s after close", thread.name,
+                             STOP_WAIT_S)
 
     def _serve(self, device: torch.device) -> None:
         if self.threads_per_pipeline:
@@ -142,7 +186,8 @@ class Executor:
                                            SearchFilter.of(filters, served.trie_sizes, is_pinned)
                                            if any(filters) else None)
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    output = served.step.run(step_batch, workspace)
+                    output = served.step.run(step_batch, workspace,
+                                             lambda r: self._before_round(batch, r))
                 run_ms = ms(self.clock() - started)
                 settings = self.answers
                 done = response_data(output, requests, served.catalog,
@@ -154,9 +199,29 @@ class Executor:
                     answers[i] = data
             answers = tuple(answers)
             error = None
+        except _Stopped as stop:
+            logger.info("batch of %d requests stopped: %s", batch.num_requests, stop.error.message)
+            answers, error = (), stop.error
         except Exception as exc:  # a failure in one batch fails only that batch
             logger.exception("batch of %d requests failed", batch.num_requests)
             answers, error = (), Internal(f"batch failed: {type(exc).__name__}: {exc}")
         finished = self.clock()
         return BatchReport(batch.num_requests, batch.num_beams, finished - started, queue_s,
                            finished, answers, error)
+
+    def _before_round(self, batch: EngineBatch, round_index: int) -> None:
+        """Between rounds: stop the batch when the engine closes or when every request in
+        it has passed its deadline (on time is up to and including the deadline)."""
+        rounds = batch.catalog.step.rounds
+        if self._is_stopping.is_set():
+            raise _Stopped(Unavailable(f"engine closed: the batch stopped before round "
+                                       f"{round_index + 1} of {rounds}"))
+        deadlines = [r.deadline for r in batch.requests]
+        if None not in deadlines:
+            late_s = self.clock() - max(deadlines)
+            if late_s > 0:
+                raise _Stopped(DeadlineExceeded(
+                    f"deadline passed {round(1000.0 * late_s, 3)} ms ago: the batch stopped "
+                    f"before round {round_index + 1} of {rounds}"))
+        with self._busy_lock:
+            self._num_rounds_run += 1

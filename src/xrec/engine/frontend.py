@@ -9,7 +9,9 @@ hot reload, and `stats()`, a snapshot of the engine's load (`EngineStats`).
 from __future__ import annotations
 
 import asyncio
+import math
 import os
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -51,15 +53,19 @@ class EngineFrontend:
     num_pipelines: int
     workspace_per_pipeline: int
 
-    def submit_valid(self, valid: ValidRequest, as_data: bool = False) -> Future:
+    def submit_valid(self, valid: ValidRequest, as_data: bool = False,
+                     arrived_at: float | None = None) -> Future:
         """Queue a request that `validate` returned. `as_data`: the future resolves to the
         answer's arrays (`xrec.engine.responses.ResponseData`, what the HTTP server writes
-        JSON from) instead of a `RecResponse` (thousands of small objects to build)."""
+        JSON from) instead of a `RecResponse` (thousands of small objects to build).
+        `arrived_at`: when the request reached the edge, in `time.monotonic()` seconds
+        (None: now); its `timeout_ms` counts from there."""
         raise NotImplementedError
 
-    def submit_valid_many(self, valids: Sequence[ValidRequest],
-                          as_data: bool = False) -> list[Future]:
-        """Queue validated requests at once (so they can share a batch)."""
+    def submit_valid_many(self, valids: Sequence[ValidRequest], as_data: bool = False,
+                          arrived_at: float | None = None) -> list[Future]:
+        """Queue validated requests at once (so they can share a batch); `arrived_at` as in
+        `submit_valid`."""
         raise NotImplementedError
 
     def close(self, grace_s: float = 30.0) -> None:
@@ -150,3 +156,14 @@ class EngineFrontend:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def arrival_time(arrived_at: float | None) -> float:
+    """When a request arrived, in `time.monotonic()` seconds (system-wide on Linux, so one
+    process may pass it to another): `arrived_at` checked, or now when it is None."""
+    if arrived_at is None:
+        return time.monotonic()
+    if (not isinstance(arrived_at, (int, float)) or isinstance(arrived_at, bool)
+            or not math.isfinite(arrived_at)):
+        raise InvalidArgument(f"arrived_at: got {arrived_at!r}, expected time.monotonic() seconds")
+    return float(arrived_at)

@@ -9,7 +9,7 @@ The edge stays here: requests are validated and prompts tokenized in this proces
 (the tokenizer is loaded here; the weights only in the child). Messages, pickled over a
 socket pair (`transport.py`; large arrays through the shared-memory arena):
 
-    parent -> child   ("submit", [(seq, ValidRequest), ...])   ("cancel", seq)
+    parent -> child   ("submit", [(seq, ValidRequest), ...], arrived_at)   ("cancel", seq)
                       ("hold",) ("release",) ("reports",)
                       ("call", seq, name, args | None: an attribute)
                       ("close", grace_s)
@@ -20,11 +20,21 @@ Every submitted seq is answered exactly once by the child (result, error or
 cancelled); only then are its arena regions freed. The child's lifetime follows this
 object: `close()`, garbage collection and interpreter exit close it; it exits by itself
 when this process dies; if it dies, every pending future fails with UNAVAILABLE and the
-engine refuses new requests (create a new one).
+engine refuses new requests (create a new one). The threads here (receiver, deadline
+timer) and the futures' callbacks hold the `_Link`, never the engine, so that dropping
+the engine is enough to collect it.
+
+Deadlines count from the submission here (`arrived_at`: a `time.monotonic()` value,
+system-wide on Linux, so the child's scheduler and executor use it as it is). If the
+child has not answered DEADLINE_MARGIN_S after a request's deadline (stopped, swapped
+out, stuck in a long round), this side answers DEADLINE_EXCEEDED itself; the child's
+late answer is then dropped (its arena regions are still freed only then).
 """
 
 from __future__ import annotations
 
+import functools
+import heapq
 import itertools
 import logging
 import os
@@ -33,6 +43,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -41,10 +52,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from xrec.api_types import CatalogVersion, ValidRequest
-from xrec.engine.frontend import EngineFrontend, EngineStats
+from xrec.engine.frontend import EngineFrontend, EngineStats, arrival_time as _arrival
 from xrec.engine.requests import BatchReport
 from xrec.engine.transport import Arena, Region, dumps, loads
-from xrec.errors import Internal, Unavailable
+from xrec.errors import DeadlineExceeded, Internal, Unavailable
 
 if TYPE_CHECKING:
     from xrec.catalog import ItemCatalog
@@ -54,6 +65,8 @@ logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0
 CLOSE_MARGIN_S = 10.0
+DEADLINE_MARGIN_S = 0.05   # the child answers a deadline itself; this side this much later
+MAX_TIMER_WAIT_S = 1.0     # the deadline timer looks at the clock at least this often
 
 
 @dataclass
@@ -78,6 +91,48 @@ class _Link:
     lock: threading.Lock = field(default_factory=threading.Lock)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     error: BaseException | None = None      # set once the child is gone
+    # (deadline, seq, request_id, timeout_ms) of submitted requests, a heap under `lock`;
+    # entries of answered requests are skipped when they come up (or pruned on submit)
+    deadlines: list[tuple[float, int, str, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.timer_wakeup = threading.Condition(self.lock)
+
+    def add_deadlines(self, entries: list[tuple[float, int, str, float]]) -> None:
+        """Caller holds `lock`. Watch these deadlines (the timer wakes if one comes first)."""
+        if len(self.deadlines) > 2 * len(self.pending) + 64:    # mostly answered already
+            self.deadlines = [e for e in self.deadlines if e[1] in self.pending]
+            heapq.heapify(self.deadlines)
+        first = self.deadlines[0][0] if self.deadlines else None
+        for entry in entries:
+            heapq.heappush(self.deadlines, entry)
+        if first is None or self.deadlines[0][0] < first:
+            self.timer_wakeup.notify()
+
+    def watch_deadlines(self) -> None:
+        """The deadline timer thread: fails a request the child has not answered by its
+        deadline + DEADLINE_MARGIN_S with DEADLINE_EXCEEDED (also while a close drains);
+        ends once the link is closed and nothing is pending."""
+        while True:
+            expired: list[tuple[Future, str, float]] = []
+            with self.lock:
+                if self.error is not None and not self.pending:
+                    return
+                now = time.monotonic()
+                while self.deadlines and self.deadlines[0][0] + DEADLINE_MARGIN_S <= now:
+                    _, seq, request_id, timeout_ms = heapq.heappop(self.deadlines)
+                    entry = self.pending.get(seq)
+                    if entry is not None:
+                        expired.append((entry[0], request_id, timeout_ms))
+                if not expired:
+                    wait = MAX_TIMER_WAIT_S if not self.deadlines else \
+                        self.deadlines[0][0] + DEADLINE_MARGIN_S - now
+                    self.timer_wakeup.wait(min(MAX_TIMER_WAIT_S, max(0.0, wait)))
+                    continue
+            for future, request_id, timeout_ms in expired:
+                _settle(future, DeadlineExceeded(
+                    f"no answer from the engine process within the request's {timeout_ms:g} ms "
+                    "from its submission", request_id), True)
 
     def send(self, message: Any) -> list[Region]:
         data, regions = dumps(message, self.arena)
@@ -90,41 +145,49 @@ class _Link:
         return regions
 
     def receive(self) -> None:
-        """The receiver thread: answers to futures until the child closes the socket."""
+        """The receiver thread: answers to futures until the child closes the socket. Each
+        message is handled in a call of its own, so that no future (whose callbacks may
+        hold the caller's objects) stays referenced while the thread waits."""
         while True:
             try:
-                message = loads(self.conn.recv_bytes(), None)
+                data = self.conn.recv_bytes()
             except (EOFError, OSError):
                 break
-            kind = message[0]
-            if kind == "report":
-                for hook in self.hooks:
-                    try:
-                        hook(message[1])
-                    except Exception:
-                        logger.exception("report hook failed")
-                continue
-            if kind == "return" or (kind == "error" and message[1] in self.calls):
-                with self.lock:
-                    future = self.calls.pop(message[1])
-                _settle(future, message[2], kind == "error")
-                continue
-            with self.lock:
-                future, shared, as_data = self.pending.pop(message[1])
-                shared.remaining -= 1
-                regions = (shared.regions or []) if shared.remaining == 0 else []
-            self.arena.free(regions)
-            if kind == "result":
-                try:
-                    response = message[2] if as_data else message[2].to_response()
-                except Exception as exc:  # a bug here must not stop the receiver
-                    logger.exception("building a response failed")
-                    _settle(future, Internal(f"building the response failed: {exc!r}"), True)
-                else:
-                    _settle(future, response, False)
-            elif kind == "error":
-                _settle(future, message[2], True)
+            self._handle(loads(data, None))
+            del data
         self._child_gone()
+
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "report":
+            for hook in self.hooks:
+                try:
+                    hook(message[1])
+                except Exception:
+                    logger.exception("report hook failed")
+            return
+        if kind == "return" or (kind == "error" and message[1] in self.calls):
+            with self.lock:
+                future = self.calls.pop(message[1])
+            _settle(future, message[2], kind == "error")
+            return
+        with self.lock:
+            future, shared, as_data = self.pending.pop(message[1])
+            shared.remaining -= 1
+            regions = (shared.regions or []) if shared.remaining == 0 else []
+        self.arena.free(regions)
+        if kind == "result":
+            if future.done():      # answered here already (its deadline passed)
+                return
+            try:
+                response = message[2] if as_data else message[2].to_response()
+            except Exception as exc:  # a bug here must not stop the receiver
+                logger.exception("building a response failed")
+                _settle(future, Internal(f"building the response failed: {exc!r}"), True)
+            else:
+                _settle(future, response, False)
+        elif kind == "error":
+            _settle(future, message[2], True)
 
     def _child_gone(self) -> None:
         try:
@@ -138,6 +201,7 @@ class _Link:
             if self.error is None:
                 self.error = Unavailable(f"the engine process exited ({_describe_exit(code)}); "
                                          "create a new engine")
+            self.timer_wakeup.notify_all()
         if pending:
             logger.error("engine process exited (%s) with %d request(s) pending",
                          _describe_exit(code), len(pending))
@@ -163,8 +227,12 @@ class ProcessEngine(EngineFrontend):
         self._seq = itertools.count()
         self._receiver = threading.Thread(target=link.receive, name="xrec-engine-receive",
                                           daemon=True)
+        self._timer = threading.Thread(target=link.watch_deadlines, name="xrec-engine-deadlines",
+                                       daemon=True)
         self._receiver.start()
-        self._finalizer = weakref.finalize(self, _shutdown, link, self._receiver, 0.0)
+        self._timer.start()
+        self._finalizer = weakref.finalize(self, _shutdown_when_collected, link,
+                                           (self._receiver, self._timer))
 
     @classmethod
     def start(cls, model_dir: str | os.PathLike, catalog: str | os.PathLike | ItemCatalog | None,
@@ -196,13 +264,13 @@ class ProcessEngine(EngineFrontend):
                 raise TimeoutError(f"the engine process did not load {model_dir} in {START_TIMEOUT_S} s")
             kind, value = loads(conn.recv_bytes(), None)
         except BaseException as exc:
-            _shutdown(link, None, 0.0)
+            _shutdown(link, (), 0.0)
             if isinstance(exc, (EOFError, OSError)):
                 raise RuntimeError(f"the engine process exited while loading {model_dir} "
                                    f"({_describe_exit(process.poll())})") from None
             raise
         if kind == "failed":
-            _shutdown(link, None, 0.0)
+            _shutdown(link, (), 0.0)
             raise value
         return cls(link, value, tokenizer)
 
@@ -212,22 +280,31 @@ class ProcessEngine(EngineFrontend):
 
     # ---- requests ----------------------------------------------------------
 
-    def submit_valid(self, valid: ValidRequest, as_data: bool = False) -> Future:
-        return self.submit_valid_many([valid], as_data)[0]
+    def submit_valid(self, valid: ValidRequest, as_data: bool = False,
+                     arrived_at: float | None = None) -> Future:
+        return self.submit_valid_many([valid], as_data, arrived_at)[0]
 
-    def submit_valid_many(self, valids: Sequence[ValidRequest],
-                          as_data: bool = False) -> list[Future]:
+    def submit_valid_many(self, valids: Sequence[ValidRequest], as_data: bool = False,
+                          arrived_at: float | None = None) -> list[Future]:
+        """Queue validated requests in the child; deadlines count from `arrived_at`
+        (`time.monotonic()` seconds; None: now)."""
         link = self._link
+        arrival = _arrival(arrived_at)
         items = [(next(self._seq), valid) for valid in valids]
         futures = [Future() for _ in items]
         shared = _Regions(len(items))   # the message's arena regions, freed after its last answer
+        deadlines = []
+        for seq, valid in items:
+            timeout_ms = valid.timeout_ms or self.options.request_timeout_ms
+            if timeout_ms is not None:
+                deadlines.append((arrival + timeout_ms / 1000.0, seq, valid.request_id, timeout_ms))
         with link.lock:                 # the child's death is noticed under this lock too
             if link.error is not None:
                 raise link.error
             for (seq, _), future in zip(items, futures):
                 link.pending[seq] = (future, shared, as_data)
         try:
-            regions = link.send(("submit", items))
+            regions = link.send(("submit", items, arrival))
         except BaseException:
             with link.lock:
                 for seq, _ in items:
@@ -236,18 +313,14 @@ class ProcessEngine(EngineFrontend):
         with link.lock:
             shared.regions = regions
             is_answered = shared.remaining == 0
+            if deadlines:
+                link.add_deadlines(deadlines)
         if is_answered:  # every answer came back before send() returned
             link.arena.free(regions)
         for (seq, _), future in zip(items, futures):
-            future.add_done_callback(lambda f, seq=seq: self._on_done(seq, f))
+            # the link, not self: a future kept by the caller must not keep the engine alive
+            future.add_done_callback(functools.partial(_cancel_in_child, link, seq))
         return futures
-
-    def _on_done(self, seq: int, future: Future) -> None:
-        if future.cancelled() and self._link.error is None:
-            try:
-                self._link.send(("cancel", seq))
-            except Exception:
-                pass  # the child is gone; its pending futures are failed already
 
     def hold_wakeups(self) -> None:
         self._link.send(("hold",))
@@ -311,7 +384,16 @@ class ProcessEngine(EngineFrontend):
     def close(self, grace_s: float = 30.0) -> None:
         """Finish what is queued and running (up to `grace_s`), then stop the child."""
         self._finalizer.detach()
-        _shutdown(self._link, self._receiver, grace_s)
+        _shutdown(self._link, (self._receiver, self._timer), grace_s)
+
+
+def _cancel_in_child(link: _Link, seq: int, future: Future) -> None:
+    """A done-callback: a request cancelled here is dropped by the child too."""
+    if future.cancelled() and link.error is None:
+        try:
+            link.send(("cancel", seq))
+        except Exception:
+            pass  # the child is gone; its pending futures are failed already
 
 
 def _settle(future: Future, value: Any, is_error: bool) -> None:
@@ -326,10 +408,24 @@ def _settle(future: Future, value: Any, is_error: bool) -> None:
         pass
 
 
-def _shutdown(link: _Link, receiver: threading.Thread | None, grace_s: float) -> None:
-    """Ask the child to drain and exit; kill it if it does not; fail what is left."""
-    if link.error is None:
-        link.error = Unavailable("engine is closed")
+def _shutdown_when_collected(link: _Link, threads: tuple[threading.Thread, ...]) -> None:
+    """The finalizer: `close(0)` once the engine is collected or the interpreter exits. On
+    one of this side's `threads` (a cyclic collection runs wherever it is triggered, maybe
+    while that thread holds `link.lock`) it shuts down on a new thread."""
+    if threading.current_thread() in threads:
+        threading.Thread(target=_shutdown, args=(link, threads, 0.0),
+                         name="xrec-engine-close", daemon=True).start()
+    else:
+        _shutdown(link, threads, 0.0)
+
+
+def _shutdown(link: _Link, threads: tuple[threading.Thread, ...], grace_s: float) -> None:
+    """Ask the child to drain and exit; kill it if it does not; fail what is left; end
+    this side's threads."""
+    with link.lock:
+        if link.error is None:
+            link.error = Unavailable("engine is closed")
+        link.timer_wakeup.notify_all()
     process = link.process
     if process.poll() is None:
         try:
@@ -343,8 +439,9 @@ def _shutdown(link: _Link, receiver: threading.Thread | None, grace_s: float) ->
             logger.error("engine process %d did not exit; killing it", process.pid)
             process.kill()
             process.wait()
-    if receiver is not None and receiver is not threading.current_thread():
-        receiver.join(timeout=CLOSE_MARGIN_S)
+    for thread in threads:
+        if thread is not threading.current_thread():
+            thread.join(timeout=CLOSE_MARGIN_S)
     link.conn.close()
     link.arena.close()
 

@@ -81,6 +81,11 @@ class FixedStepsScheduler:
             thread, is_closing = self._thread, self._is_closing
         return thread is not None and thread.is_alive() and not is_closing
 
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The loop thread (None before `start`)."""
+        return self._thread
+
     def start(self) -> None:
         """Start the loop thread (a daemon). Requests submitted before wait for it."""
         with self._cond:
@@ -299,8 +304,9 @@ class FixedStepsScheduler:
         if request.future.done():
             return None
         if request.deadline is not None and now >= request.deadline:
-            return DeadlineExceeded(f"deadline passed after {now - request.enqueued_at:.3f} s "
-                                    "in the waiting queue")
+            return DeadlineExceeded(f"deadline passed {round(1000.0 * (now - request.deadline), 3)}"
+                                    f" ms ago, after {now - request.enqueued_at:.3f} s in the "
+                                    "waiting queue")
         return _KEEP
 
     def _sweep(self, now: float) -> Dropped:

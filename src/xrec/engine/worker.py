@@ -79,7 +79,7 @@ class Child:
                 os._exit(0)
             kind = message[0]
             if kind == "submit":
-                self._submit(message[1])
+                self._submit(message[1], message[2])
             elif kind == "cancel":
                 future = self.futures.get(message[1])
                 if future is not None:
@@ -96,9 +96,12 @@ class Child:
                 self.engine.close(message[1])   # every answer is sent when this returns
                 return
 
-    def _submit(self, items: list[tuple[int, ValidRequest]]) -> None:
+    def _submit(self, items: list[tuple[int, ValidRequest]], arrived_at: float) -> None:
+        """Queue the parent's requests; their deadlines count from the parent's submission
+        (`arrived_at`, `time.monotonic()` seconds: the same clock in both processes)."""
         try:
-            futures = self.engine.submit_valid_many([valid for _, valid in items])
+            futures = self.engine.submit_valid_many([valid for _, valid in items],
+                                                    arrived_at=arrived_at)
         except Exception as exc:  # refused as a whole (closed engine): each gets the error
             for seq, _ in items:
                 self.send(("error", seq, _picklable(exc)))

@@ -11,6 +11,7 @@ once at the end.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -59,9 +60,13 @@ class RecStep:
         self.root_children = _root_children(tables) if tables is not None else None
 
     @torch.inference_mode()
-    def run(self, batch: StepBatch, workspace: Workspace | None = None) -> StepOutput:
+    def run(self, batch: StepBatch, workspace: Workspace | None = None,
+            before_round: Callable[[int], None] | None = None) -> StepOutput:
         """All rounds of `batch`. `workspace`: the calling pipeline's reusable buffers
-        (None: fresh buffers for this batch only)."""
+        (None: fresh buffers for this batch only). `before_round(r)` is called on the host
+        before round r (round 0 includes the prefill); what it raises stops the batch
+        there, between rounds. It reads no device value, so on CUDA it adds no
+        synchronisation: it stops the rounds not yet queued."""
         model, device = self.model, self.device
         num_batch = batch.num_requests
         widths = _widths(batch.beam_widths, device)
@@ -72,17 +77,20 @@ class RecStep:
         rows = _Rows(batch.full_rows, num_batch, device, temps)
         filters = None if batch.filters is None else batch.filters.to(device)
 
-        last, context = model.prefill(batch.inputs)                          # [B, D], shared state
         nodes = torch.zeros((num_batch, 1), dtype=torch.long, device=device)
         scores = torch.zeros((num_batch, 1), device=device)
         tokens = torch.zeros((num_batch, 1, 0), dtype=torch.long, device=device)
         logprobs = torch.zeros((num_batch, 1, 0), device=device)
         beams = None
-        step_hidden = last.unsqueeze(1)                                    # [B, 1, D]
         for round_index in range(self.rounds):
+            if before_round is not None:
+                before_round(round_index)
             is_last = round_index == self.rounds - 1
             keep = num_out if is_last else num_beams
-            if round_index > 0:
+            if round_index == 0:
+                last, context = model.prefill(batch.inputs)                  # [B, D], shared state
+                step_hidden = last.unsqueeze(1)                            # [B, 1, D]
+            else:
                 if beams is None:
                     beams = model.new_beam_kv(num_batch, num_beams, self.rounds,
                                               None if workspace is None else workspace.take)

@@ -1,0 +1,128 @@
+"""Leaving a process with work in flight: the pipelines stop cleanly and the process exits
+with its own status. Real scripts in real subprocesses (an engine of each isolation with a
+batch running, then sys.exit(0), an uncaught exception or Ctrl-C), and a real `xrec serve`
+stopped while its model loads. Torch still running on a thread when the interpreter
+finalizes aborts the process ("terminate called without an active exception", 134)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from xrec.demo import write_random_model
+
+WAIT_S = 60.0  # bound on every wait: a hang fails the test instead of blocking it
+ABORTED = ("terminate called", "SIGABRT", "request(s) pending")
+
+# An engine with a batch running (8 x W=512: about a second on a CPU), then HOW.
+SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    from xrec import Engine, RecRequest
+    model_dir, isolation, how = sys.argv[1:]
+    engine = Engine.from_pretrained(model_dir, isolation=isolation, device="cpu")
+    engine.submit_many([RecRequest(token_ids=[i % 60 for i in range(200)], beam_width=512)
+                        for _ in range(8)])
+    deadline = time.monotonic() + 60
+    while engine.stats().num_pipelines_busy == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    print("busy", engine.stats().num_pipelines_busy, getattr(engine, "pid", os.getpid()), flush=True)
+    if how == "exit":
+        sys.exit(0)
+    if how == "raise":
+        raise RuntimeError("the host failed")
+    time.sleep(60)   # "sigint": the test sends Ctrl-C
+""")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_random_model(tmp_path_factory.mktemp("tiny"), "tiny", seed=3, num_items=300)
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()
+    except FileNotFoundError:
+        return False
+
+
+def _run_script(model_dir, isolation: str, how: str) -> tuple[int, str, int]:
+    """(exit status, stderr, pid of the engine's pipelines' process) of SCRIPT."""
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(model_dir), isolation, how],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline().split()
+        assert line[:1] == ["busy"], proc.communicate(timeout=WAIT_S)
+        assert int(line[1]) >= 1, "no batch was running: the exit was not exercised"
+        if how == "sigint":
+            proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=WAIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, stderr, int(line[2])
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+@pytest.mark.parametrize("how, statuses", [("exit", {0}), ("raise", {1}),
+                                           ("sigint", {-signal.SIGINT, 130})])
+def test_exit_with_a_batch_running_keeps_the_scripts_status(model_dir, isolation, how, statuses):
+    status, stderr, pid = _run_script(model_dir, isolation, how)
+    assert status in statuses, stderr
+    assert not any(word in stderr for word in ABORTED), stderr
+    if how == "raise":
+        assert "RuntimeError: the host failed" in stderr
+    if how == "sigint":
+        assert "KeyboardInterrupt" in stderr
+    deadline = time.monotonic() + WAIT_S
+    while _is_alive(pid) and time.monotonic() < deadline:   # the child of isolation="process"
+        time.sleep(0.05)
+    assert not _is_alive(pid)
+
+
+# `xrec serve` whose model "loads" for up to a minute: torch work on the loading thread.
+SLOW_LOAD = textwrap.dedent("""
+    import sys, time, torch
+    import xrec.engine.engine as engine_module
+    from xrec.cli import main
+
+    load_parts = engine_module.load_parts
+
+    def slow_load_parts(*args):
+        print("loading", flush=True)
+        a = torch.randn(256, 256)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            a = torch.tanh(a @ a)
+        return load_parts(*args)
+
+    engine_module.load_parts = slow_load_parts
+    sys.exit(main(["serve", "--model", sys.argv[1], "--port", "0", "--device", "cpu",
+                   "--grace-s", "5"]))
+""")
+
+
+def test_sigterm_while_the_model_loads_exits_0(model_dir, tmp_path):
+    env = {**os.environ, "XREC_HOME": str(tmp_path / "home")}
+    env.pop("XREC_API_KEY", None)
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_LOAD, str(model_dir)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "loading", proc.communicate(timeout=WAIT_S)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=WAIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, stderr
+    assert not any(word in stderr for word in ABORTED), stderr
+    assert "stopped while the model was loading" in stderr
