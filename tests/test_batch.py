@@ -368,3 +368,108 @@ def _manifest(out: Path) -> dict | None:
         return json.loads((out / MANIFEST).read_text())
     except (FileNotFoundError, ValueError):
         return None
+
+
+# ---- issue 28: rows the HTTP API refuses, bytes that are not UTF-8, the CLI's last lines -------
+
+def test_booleans_and_non_utf8_lines_are_row_errors(tmp_path, model_dir, engine):
+    """`[true, 2]` was read as [1, 2] (the HTTP API answers 422), and one line that is not
+    UTF-8 refused the whole file: each is now that row's error and the run goes on."""
+    good = token_rows(3)
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(b"".join([
+        json.dumps(good[0]).encode() + b"\n",
+        b'{"id": 1, "token_ids": [true, 2]}\n',
+        b'{"id": 2, "prompt": "caf\xe9 \xff"}\n',                 # latin-1, not UTF-8
+        b'{"id": 3, "token_ids": [3], "exclude_items": [5, false]}\n',
+        json.dumps({**good[2], "id": 4}).encode() + b"\n"]))
+    summary = run_batch(job(tmp_path, model_dir, source, chunk_rows=2), engine)
+    assert (summary.num_rows, summary.num_errors) == (5, 3)
+    got = read_output(tmp_path / "out")
+    assert [r["id"] for r in got] == [0, 1, None, 3, 4]
+    assert [r["error"] for r in got[1:4]] == [
+        "INVALID_ARGUMENT: token_ids[0]: got True, expected an integer, not a boolean",
+        "INVALID_ARGUMENT: row is not UTF-8 text (byte 0xe9 at character 24)",
+        "INVALID_ARGUMENT: exclude_items[1]: got False, expected an integer, not a boolean"]
+    assert all(r["tokens"] == [] for r in got[1:4])
+    assert got[0] == expected_records(engine, good[:1], 1)[0]
+    assert got[4]["error"] is None and len(got[4]["tokens"]) == 4
+    # the Python API refuses them the same way (the one integer-list check both use)
+    from xrec.errors import InvalidArgument
+    with pytest.raises(InvalidArgument, match=r"token_ids\[0\]: got True"):
+        engine.recommend([RecRequest(token_ids=[True, 2])])
+
+
+def test_resume_of_a_finished_run_says_there_is_nothing_to_do(tmp_path, model_dir, capsys):
+    """It printed "0 rows (0 errors, 5 already written) in 0.0 s, nan rows/s"."""
+    source = write_jsonl(tmp_path / "in.jsonl", token_rows(5))
+    out = tmp_path / "o"
+    base = ["batch", "--input", str(source), "--output", str(out), "--model", str(model_dir),
+            "--beam-width", "4", "--num-threads", "1", "--no-progress"]
+    assert xrec_main(base) == 0
+    assert "5 rows (0 errors)" in capsys.readouterr().err
+    assert xrec_main(base + ["--resume"]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        f"xrec batch: nothing to do: 5 rows already written -> {out}"]
+    assert len(read_output(out)) == 5
+
+
+def test_a_full_disk_names_the_output_file(tmp_path, model_dir):
+    """ENOSPC said "[Errno 28] No space left on device" and no more. A real full disk: a
+    64 KiB tmpfs in a private mount namespace (`unshare -rm`, no root needed)."""
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no user and mount namespaces here (unshare -rm)")
+    source = write_jsonl(tmp_path / "in.jsonl", token_rows(1000))
+    small = tmp_path / "small"
+    small.mkdir()
+    batch = [sys.executable, "-m", "xrec", "batch", "--input", str(source), "--output",
+             str(small / "out"), "--model", str(model_dir), "--beam-width", "4", "--chunk-rows",
+             "500", "--num-threads", "1", "--no-progress"]
+    script = f'mount -t tmpfs -o size=64k none "{small}" && exec "$@"'
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", *batch],
+                          capture_output=True, text=True, timeout=WAIT_S,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "xrec batch: error: [Errno 28] No space left on device: "
+        f"'{small / 'out' / part_name(0, 'jsonl')}'"]
+
+
+@pytest.mark.parametrize("when", ["loading", "running"])
+def test_ctrl_c_is_one_line_exit_130_and_the_run_resumes(tmp_path, model_dir, when):
+    """SIGINT printed a traceback (and, while the engine loaded, aborted the process). Now:
+    one line with what is written and the --resume hint, exit 130; --resume completes the
+    run with every row once. "loading": SIGINT once the first manifest is there (written
+    before the engine loads: the signal lands before or while it loads), "running": once 3
+    chunks are written."""
+    rows = token_rows(300, seed=3)
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "xrec", "batch", "--input", str(source), "--output",
+               str(out), "--model", str(model_dir), "--beam-width", "4", "--chunk-rows", "2",
+               "--num-threads", "1", "--no-progress"]
+    process = subprocess.Popen(   # SIGINT at its default even where the test runner ignores it
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline and process.poll() is None:
+            manifest = _manifest(out)
+            if manifest and manifest["num_done_chunks"] >= (3 if when == "running" else 0):
+                break
+            time.sleep(0.005)
+        assert process.poll() is None, process.stderr.read()[-2000:]
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=WAIT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, stderr
+    stopped = _manifest(out)
+    assert stopped is not None and not stopped["is_complete"]
+    assert stderr.strip().splitlines() == [
+        f"xrec batch: interrupted; {stopped['num_done_rows']} of 300 rows are written to "
+        f"{out}: run it again with --resume to continue"]
+    assert xrec_main(command[3:] + ["--resume"]) == 0
+    assert [r["id"] for r in read_output(out)] == list(range(300))

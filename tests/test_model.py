@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
 
 import pytest
 import torch
@@ -650,6 +652,69 @@ def test_bad_config_json_is_refused(tmp_path):
     (tmp_path / "config.json").unlink()
     with pytest.raises(ValueError, match="config.json"):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["empty", "header", "tail", "garbage"])
+def test_truncated_or_corrupt_file_is_one_checkpoint_error(tmp_path, damage):
+    """Not a safetensors reader's traceback: a CheckpointError naming the file and saying it
+    is truncated or corrupt."""
+    save_checkpoint(tmp_path, ERROR_CONFIG, random_state_dict(ERROR_CONFIG, seed=68))
+    path = tmp_path / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    if damage == "garbage":
+        data[8:16] = b"x" * 8          # the JSON header is not JSON
+    else:
+        data = data[:{"empty": 0, "header": 100, "tail": len(data) - 100}[damage]]
+    path.write_bytes(bytes(data))
+    message = _error(tmp_path)
+    assert str(path) in message and "truncated or corrupt" in message, message
+    assert f"{len(data)} bytes" in message
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("names", ["canonical", "xllm"])
+def test_non_finite_weight_is_refused_naming_the_tensor(tmp_path, value, names):
+    """A NaN or inf weight would answer every request with no results: refused at load,
+    naming the tensor (and its name in the file) and the file."""
+    sd = random_state_dict(ERROR_CONFIG, seed=69)
+    name = "encoder.block.1.layer.0.SelfAttention.k.weight"
+    sd[name][3, 5] = value
+    sd[name][0, 0] = value
+    stored = to_xllm_names(sd) if names == "xllm" else sd
+    raw, = to_xllm_names({name: sd[name]}) if names == "xllm" else [name]
+    message = _error(save_checkpoint(tmp_path, ERROR_CONFIG, stored))
+    assert repr(name) in message and repr(raw) in message, message
+    assert str(tmp_path / "model.safetensors") in message
+    assert "2 non-finite values" in message and f"of {sd[name].numel()}" in message
+
+
+def test_weight_beyond_the_target_dtype_is_refused(tmp_path):
+    """float32 weights that overflow float16 would turn inf in the cast: refused too."""
+    sd = random_state_dict(ERROR_CONFIG, seed=70)
+    name = "decoder.block.0.layer.1.EncDecAttention.o.weight"
+    sd[name][1, 1] = 1e6
+    save_checkpoint(tmp_path, ERROR_CONFIG, sd)
+    load_model(tmp_path, dtype=torch.float32)     # finite in the file
+    with pytest.raises(CheckpointError, match=rf"{re.escape(repr(name))} after the cast to "
+                       r"torch.float16 \(from torch.float32\) holds 1 non-finite"):
+        load_model(tmp_path, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_saved_files_have_the_umask_mode(tmp_path, umask):
+    """safetensors writes 0600; a model directory must be readable as any other file the
+    user writes (0644 under umask 022), shards too."""
+    sd = random_state_dict(ERROR_CONFIG, seed=71)
+    old = os.umask(umask)
+    try:
+        save_model(tmp_path / "one", ERROR_CONFIG, sd)
+        save_model(tmp_path / "shards", ERROR_CONFIG, sd, max_shard_bytes=10_000)
+    finally:
+        os.umask(old)
+    files = list((tmp_path / "one").iterdir()) + list((tmp_path / "shards").iterdir())
+    assert len(files) > 4
+    assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in files} == \
+        {f.name: 0o666 & ~umask for f in files}
 
 
 def test_rope_tables_are_in_the_model_dtype():

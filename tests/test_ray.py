@@ -190,6 +190,20 @@ def test_unreachable_cluster_is_one_clear_line(tmp_path, model_dir):
         "(Connection refused); is `ray start --head` running there?")
 
 
+def test_a_line_that_is_not_utf8_is_refused_before_ray_starts(tmp_path, model_dir):
+    """Ray Data's read_text decodes strictly, so `--ray` refuses such a file up front (the
+    in-process run fails that row alone: test_batch.py) instead of failing midway."""
+    (tmp_path / "in.jsonl").write_bytes(b'{"id": 1, "token_ids": [1]}\n{"id": "\xe9"}\n')
+    done = subprocess.run([sys.executable, "-m", "xrec", "batch", "--input",
+                           str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o"), "--model",
+                           str(model_dir), "--ray", "--address", "127.0.0.1:1"],
+                          capture_output=True, text=True, timeout=WAIT_S)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"xrec batch: error: --input {tmp_path / 'in.jsonl'}: line 2 is not UTF-8 text; --ray "
+        "reads only UTF-8 (without --ray that row alone fails)")
+
+
 # ---- serve ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path, body, status, code",

@@ -130,6 +130,19 @@ def test_reassign_gives_every_item_a_unique_triple(svd_embeddings):
     assert prefixes == collided
 
 
+def test_reassign_separates_a_collision_in_the_first_group():
+    """Items that collide in group (0, 0), the first in sorted order, get distinct IDs too:
+    a group boundary found with `np.diff(prepend=0)` instead of -1 misses that group's
+    start and leaves the collision (mutation audit)."""
+    points = np.repeat(np.eye(3, dtype=np.float32), [1, 1, 5], axis=0)  # 7 rows, 3 distinct
+    result = build_sids(points, codebook_size=8, collisions="reassign")
+    first = (result.raw_codes[:, :2] == 0).all(axis=1)
+    assert first.sum() == 5 and len(np.unique(result.raw_codes[first], axis=0)) == 1, \
+        f"the premise: the five equal points share raw codes (0, 0, c), got {result.raw_codes}"
+    assert len(np.unique(result.codes, axis=0)) == 7
+    np.testing.assert_array_equal(result.codes[:, :2], result.raw_codes[:, :2])
+
+
 def test_share_keeps_raw_codes_and_reports_collisions(svd_embeddings):
     share = build_sids(svd_embeddings, codebook_size=8, collisions="share", seed=0)
     reassign = build_sids(svd_embeddings, codebook_size=8, collisions="reassign", seed=0)

@@ -345,6 +345,12 @@ def _integer_list(values: Any, name: str, what: str = "integers") -> np.ndarray:
     if array.ndim != 1 or (array.size and array.dtype.kind not in "iuO"):
         raise InvalidArgument(f"{name}: expected a flat list of {what}, got an array of "
                               f"shape {list(array.shape)} and type {array.dtype}")
+    if isinstance(values, (list, tuple)) and array.dtype.kind in "iu":   # numpy reads True as 1
+        kinds = set(map(type, values))
+        if bool in kinds or np.bool_ in kinds:
+            index = next(i for i, v in enumerate(values) if isinstance(v, (bool, np.bool_)))
+            raise InvalidArgument(f"{name}[{index}]: got {values[index]!r}, expected an "
+                                  "integer, not a boolean")
     return array
 
 

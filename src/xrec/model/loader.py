@@ -9,9 +9,13 @@ mapped; Qwen: Hugging Face names as they are).
 from __future__ import annotations
 
 import json
+import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator
+
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from xrec.config import FamilyConfig, read_model_config
@@ -20,7 +24,8 @@ from xrec.model.registry import model_class
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that does not match the model config: names and shapes say why."""
+    """A checkpoint that cannot be loaded: a file that is not valid safetensors, non-finite
+    weights, or tensors that do not match the model config (names and shapes say why)."""
 
 
 def read_checkpoint(model_dir: Path, config: FamilyConfig) -> dict[str, torch.Tensor]:
@@ -36,7 +41,7 @@ def read_checkpoint(model_dir: Path, config: FamilyConfig) -> dict[str, torch.Te
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, tuple[str, str]] = {}
     for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with _open_safetensors(path) as f:
             for raw in f.keys():
                 try:
                     name = family.canonical_name(raw, config)
@@ -48,7 +53,9 @@ def read_checkpoint(model_dir: Path, config: FamilyConfig) -> dict[str, torch.Te
                         f"tensor {name!r} appears twice: as {first_raw!r} in {first_file} "
                         f"{list(tensors[name].shape)} and as {raw!r} in {path.name} "
                         f"{list(f.get_slice(raw).get_shape())}")
-                tensors[name] = f.get_tensor(raw)
+                tensors[name] = _read_tensor(f, raw, path)
+                shown = repr(name) if raw == name else f"{name!r} ({raw!r})"
+                _check_finite(tensors[name], shown, f"in {path}")
                 origin[name] = (raw, path.name)
     try:
         family.prepare_checkpoint(tensors, config)
@@ -85,7 +92,11 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
         model = model_class(config)(config)
     check_tensors(tensors, {k: v.shape for k, v in model.state_dict().items()})
     dtype = dtype or getattr(torch, config.torch_dtype)
-    tensors = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
+    cast = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
+    for name, tensor in cast.items():   # a value beyond a narrower dtype's range becomes inf
+        if tensors[name].dtype != dtype:
+            _check_finite(tensor, repr(name), f"after the cast to {dtype} (from {tensors[name].dtype})")
+    tensors = cast
     model.load_state_dict(tensors, assign=True)
     return model.eval().requires_grad_(False)
 
@@ -111,6 +122,46 @@ def save_model(model_dir: str | Path, config: FamilyConfig, state_dict: dict[str
         name = "model.safetensors" if len(shards) == 1 else \
             f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(model_dir / name), metadata={"format": "pt"})
+        (model_dir / name).chmod(_file_mode())   # safetensors writes 0600, whatever the umask
+
+
+def _file_mode() -> int:
+    """The mode `open()` gives a new file: 0666 less the umask (0644 with umask 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+@contextmanager
+def _open_safetensors(path: Path) -> Iterator[Any]:
+    """`safe_open(path)`; an unreadable file is the OS's error with the path (safetensors says
+    "No such file or directory" for a permission problem too), a file that is not safetensors
+    (truncated, corrupt) one `CheckpointError` line naming it."""
+    with open(path, "rb"):   # PermissionError, IsADirectoryError, ... with the path
+        pass
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu")
+    except SafetensorError as e:
+        raise CheckpointError(f"{path}: not a valid safetensors file ({os.path.getsize(path)} "
+                              f"bytes; {e}): it is truncated or corrupt") from None
+    with handle as f:
+        yield f
+
+
+def _read_tensor(f: Any, raw: str, path: Path) -> torch.Tensor:
+    try:
+        return f.get_tensor(raw)
+    except SafetensorError as e:
+        raise CheckpointError(f"{path}: tensor {raw!r} cannot be read ({e}): the file is "
+                              "corrupt") from None
+
+
+def _check_finite(tensor: torch.Tensor, name: str, where: str) -> None:
+    """NaN or inf weights answer every request with nothing: refused at load."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        num_bad = int((~torch.isfinite(tensor)).sum())
+        raise CheckpointError(f"tensor {name} {where} holds {num_bad} non-finite values (NaN "
+                              f"or inf) of {tensor.numel()}; weights must be finite")
 
 
 def _listing(names: list[str], shapes: dict[str, torch.Size], limit: int = 8) -> str:

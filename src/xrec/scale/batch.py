@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from xrec.errors import XrecError
 from xrec.scale.rows import (InputInfo, RowError, RowSettings, answer_record, check_input,
                              decode_row, error_record, file_format, id_type_of, iter_chunks,
-                             output_schema, write_records)
+                             naming_os_errors, output_schema, write_records)
 
 if TYPE_CHECKING:
     from xrec.engine.engine import Engine
@@ -185,11 +185,12 @@ def write_manifest(out: Path, identity: dict, num_done_chunks: int, num_done_row
     tmp = out / f".{MANIFEST}.tmp"
     body = {"job": identity, "num_done_chunks": num_done_chunks, "num_done_rows": num_done_rows,
             "is_complete": is_complete, **extra}
-    with open(tmp, "w") as f:
-        f.write(json.dumps(body, indent=1) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out / MANIFEST)
+    with naming_os_errors(out / MANIFEST):
+        with open(tmp, "w") as f:
+            f.write(json.dumps(body, indent=1) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out / MANIFEST)
 
 
 # ---- chunks ----------------------------------------------------------------------------------
@@ -251,12 +252,38 @@ def load_engine(model_dir: str, catalog: str | None, options: dict,
     """The engine, loaded in a thread that ends: torch work on a long-lived thread keeps an
     OpenMP team that slows the pipeline (docs/decisions.md, Benchmarks). `owns_process`:
     this process exists to run it (the `xrec batch` command, a Ray actor or replica), so it
-    takes a serving process's settings (`Engine.own_process`)."""
+    takes a serving process's settings (`Engine.own_process`). Ctrl-C while it loads waits
+    for the load and closes the engine (a process that exits with a half-made engine
+    aborts)."""
     from xrec import Engine
-    from xrec.utils.fresh_thread import in_fresh_thread
 
-    engine = in_fresh_thread(lambda: Engine.from_pretrained(model_dir, catalog=catalog,
-                                                            isolation="thread", **options))
+    box: dict[str, Any] = {}
+    finished = threading.Event()
+
+    def load() -> None:   # as `xrec.utils.fresh_thread.in_fresh_thread`, which Ctrl-C would
+        try:              # leave running
+            box["engine"] = Engine.from_pretrained(model_dir, catalog=catalog,
+                                                   isolation="thread", **options)
+        except BaseException as e:   # re-raised in the caller's thread
+            box["error"] = e
+        finally:
+            finished.set()
+
+    loader = threading.Thread(target=load, name="xrec-batch-load")
+    loader.start()
+    # an Event, not join(): once Ctrl-C interrupts a join(), Python 3.11 takes the thread for
+    # stopped although it runs on, and the process would exit under it
+    try:
+        finished.wait()
+    except KeyboardInterrupt:
+        finished.wait()
+        if "engine" in box:
+            box["engine"].close()
+        raise
+    loader.join()
+    if "error" in box:
+        raise box["error"]
+    engine = box["engine"]
     if owns_process:
         engine.own_process()
     return engine

@@ -135,6 +135,8 @@ def run_batch_ray(job: BatchJob, options: RayOptions) -> BatchSummary:
 
     input_format, output_format = job.formats()
     info = check_input(job.input, input_format, job.settings)
+    if info.format == "jsonl":
+        _check_utf8(info.path)
     schema = output_schema(id_type_of(info)) if output_format == "parquet" else None
     identity = job.identity(info, output_format)
     out = Path(job.output).resolve()
@@ -160,6 +162,19 @@ def run_batch_ray(job: BatchJob, options: RayOptions) -> BatchSummary:
     write_manifest(out, identity, -(-info.num_rows // job.chunk_rows), info.num_rows, True,
                    ray={"actors": num_actors, "actor_cpus": actor_cpus})
     return BatchSummary(info.num_rows, num_errors, seconds, str(out))
+
+
+def _check_utf8(path: str) -> None:
+    """Ray Data's `read_text` decodes strictly: a line that is not UTF-8 would fail the whole
+    run midway, so it is refused before anything starts (the in-process run fails that row
+    alone)."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ValueError(f"--input {path}: line {number} is not UTF-8 text; --ray reads "
+                                 "only UTF-8 (without --ray that row alone fails)") from None
 
 
 def _dataset(info: InputInfo, job: BatchJob, engine_options: dict, schema: Any, output_format: str,

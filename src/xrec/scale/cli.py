@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from xrec.config import EngineOptions
@@ -91,18 +92,43 @@ def run_batch_command(args: argparse.Namespace) -> int:
             raise ValueError("--resume: a --ray run is not resumable (its output is written by "
                              "Ray Data's tasks); run again with --overwrite, or without --ray")
     job = batch_job(args)
-    if args.ray:
-        from xrec.scale.batch_ray import RayOptions, run_batch_ray
-        summary = run_batch_ray(job, RayOptions(args.address, args.actors, args.actor_cpus,
-                                                args.actor_gpus))
-    else:
-        from xrec.scale.batch import run_batch
-        summary = run_batch(job, owns_process=True)
+    try:
+        if args.ray:
+            from xrec.scale.batch_ray import RayOptions, run_batch_ray
+            summary = run_batch_ray(job, RayOptions(args.address, args.actors, args.actor_cpus,
+                                                    args.actor_gpus))
+        else:
+            from xrec.scale.batch import run_batch
+            summary = run_batch(job, owns_process=True)
+    except KeyboardInterrupt:
+        print(f"xrec batch: interrupted{_resume_hint(args)}", file=sys.stderr)
+        return 130
+    if summary.num_rows == 0:
+        done = f"{summary.num_skipped} rows already written" if summary.num_skipped else \
+            "the input has no rows"
+        print(f"xrec batch: nothing to do: {done} -> {summary.output}", file=sys.stderr)
+        return 0
     skipped = f", {summary.num_skipped} already written" if summary.num_skipped else ""
     print(f"xrec batch: {summary.num_rows} rows ({summary.num_errors} errors{skipped}) in "
           f"{summary.seconds:.1f} s, {summary.rows_per_s:.1f} rows/s -> {summary.output}",
           file=sys.stderr)
     return 0
+
+
+def _resume_hint(args: argparse.Namespace) -> str:
+    """What an interrupted run left: the rows its manifest counts, and how to go on."""
+    from xrec.scale.batch import read_manifest
+
+    try:
+        manifest = None if args.ray else read_manifest(Path(args.output))
+    except ValueError:
+        manifest = None
+    if manifest is None:
+        return ""
+    if manifest.get("is_complete"):
+        return f"; all {manifest['num_done_rows']} rows are written to {args.output}"
+    return (f"; {manifest['num_done_rows']} of {manifest['job']['input_rows']} rows are "
+            f"written to {args.output}: run it again with --resume to continue")
 
 
 # ---- xrec serve --ray -----------------------------------------------------------------------

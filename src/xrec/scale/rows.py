@@ -14,19 +14,22 @@ Output: one record per input row, in input order:
     items    [N][*] the catalog items of each semantic id
     error    null, or "CODE: message" for a row that failed (its lists are empty)
 
-A row that fails (a malformed JSON line, no input, a request the engine refuses, a bad
-`exclude_items`) gets an error record and the run goes on; a file-level problem (no id
-column, no input column, an unreadable file, a Parquet `exclude_items` column that is
-not a list of integers) stops the run before anything is written.
+A row that fails (a malformed JSON line or one that is not UTF-8, no input, a request
+the engine refuses: a boolean among its ids, a bad `exclude_items`) gets an error record
+and the run goes on; a file-level problem (no id column, no input column, an unreadable
+file, a Parquet `exclude_items` column that is not a list of integers) stops the run
+before anything is written.
 
 JSONL lines are split as Ray Data's `read_text` splits them (`str.splitlines`, blank
-lines dropped), so both paths number the same rows. pyarrow (Parquet) is imported only
-when a Parquet file is read or written.
+lines dropped), so both paths number the same rows; but a line that is not UTF-8 fails
+`read_text`, and so a whole `--ray` run, where the in-process run fails that row. pyarrow
+(Parquet) is imported only when a Parquet file is read or written.
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -130,7 +133,7 @@ def check_input(path: str | os.PathLike, fmt: str, settings: RowSettings) -> Inp
             try:
                 row = orjson.loads(first)
             except orjson.JSONDecodeError as e:
-                raise ValueError(f"--input {path}: the first row is not JSON ({e})") from None
+                raise ValueError(f"--input {path}: the first {_not_json(first, e)}") from None
             if not isinstance(row, dict):
                 raise ValueError(f"--input {path}: rows must be JSON objects, the first is "
                                  f"{type(row).__name__}")
@@ -164,14 +167,12 @@ def _check_filter_types(path: str, schema: Any) -> None:
 
 
 def jsonl_lines(path: str) -> Iterator[tuple[int, str]]:
-    """(line number, text) of the non-blank lines, split as `str.splitlines` splits."""
+    """(line number, text) of the non-blank lines, split as `str.splitlines` splits. Bytes
+    that are not UTF-8 stay in the text as lone surrogates (`surrogateescape`): that row
+    alone fails (`decode_row`)."""
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"--input {path}: line {number} is not UTF-8 ({e})") from None
-            for piece in text.splitlines():
+            for piece in raw.decode("utf-8", "surrogateescape").splitlines():
                 if piece.strip():
                     yield number, piece
 
@@ -225,7 +226,7 @@ def decode_row(raw: Any, settings: RowSettings) -> tuple[Any, RecRequest]:
         try:
             raw = orjson.loads(raw)
         except orjson.JSONDecodeError as e:
-            raise RowError(None, "INVALID_ARGUMENT", f"row is not JSON ({e})") from None
+            raise RowError(None, "INVALID_ARGUMENT", _not_json(raw, e)) from None
         if not isinstance(raw, dict):
             raise RowError(None, "INVALID_ARGUMENT",
                            f"row is not a JSON object but {type(raw).__name__}")
@@ -242,6 +243,16 @@ def decode_row(raw: Any, settings: RowSettings) -> tuple[Any, RecRequest]:
                          num_return_sequences=settings.num_results, normalize=settings.normalize,
                          return_items=settings.return_items, **filters)
     return row_id, request
+
+
+def _not_json(raw: str | bytes, error: Exception) -> str:
+    """Why a line is not JSON; a byte that is not UTF-8 (which `jsonl_lines` keeps as a lone
+    surrogate, U+DC80 to U+DCFF) is named."""
+    if isinstance(raw, str):
+        bad = next((i for i, c in enumerate(raw) if "\udc80" <= c <= "\udcff"), None)
+        if bad is not None:
+            return f"row is not UTF-8 text (byte {ord(raw[bad]) - 0xDC00:#04x} at character {bad})"
+    return f"row is not JSON ({error})"
 
 
 # ---- answers -> records ----------------------------------------------------------------
@@ -292,15 +303,30 @@ def records_jsonl(records: Sequence[dict]) -> bytes:
 def write_records(path: Path, records: Sequence[dict], fmt: str, schema: Any = None) -> None:
     """One part file, written under a temporary name and renamed (never half there)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    if fmt == "parquet":
-        _, pq = pyarrow_modules()
-        pq.write_table(records_table(records, schema), tmp)
-    else:
-        with open(tmp, "wb") as f:
-            f.write(records_jsonl(records))
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with naming_os_errors(path):
+        if fmt == "parquet":
+            _, pq = pyarrow_modules()
+            pq.write_table(records_table(records, schema), tmp)
+        else:
+            with open(tmp, "wb") as f:
+                f.write(records_jsonl(records))
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+
+@contextmanager
+def naming_os_errors(path: Path) -> Iterator[None]:
+    """An OSError that names no file (a full disk: ENOSPC from a write or fsync) is raised
+    again naming `path`."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        if e.errno is None:   # pyarrow's
+            raise OSError(f"writing {path}: {e}") from None
+        raise OSError(e.errno, e.strerror, str(path)) from None
 
 
 def read_output(directory: str | os.PathLike) -> list[dict]:
