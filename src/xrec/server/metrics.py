@@ -13,6 +13,14 @@ The served catalog (hot reload, `server/admin.py`) is read when scraped:
 `xrec_catalog_items` and `xrec_catalog_loaded_timestamp_seconds` describe it (none of
 the three without a catalog); `xrec_catalog_changes_total{action, code}` counts loads
 and restores through the admin routes by outcome.
+
+For alerts (ops/prometheus/xrec-alerts.yml): `xrec_ready` is 1 while the engine is loaded
+and takes new work (`EngineStats.is_serving`), 0 while loading, once a drain has closed
+the engine, or when its scheduler stopped; `xrec_request_queue_limit` and (with a default
+deadline) `xrec_request_timeout_seconds` are the engine's `request_queue_size` and
+`request_timeout_ms`. `process_*` are prometheus_client's process metrics (Linux): the
+serving process's memory, CPU and file descriptors (a process-isolated engine's child is
+not counted).
 """
 
 from __future__ import annotations
@@ -20,12 +28,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Histogram, ProcessCollector,
+                               generate_latest)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from xrec.config.engine import EngineOptions
     from xrec.engine.frontend import EngineFrontend, EngineStats
     from xrec.engine.requests import BatchReport
 
@@ -77,6 +87,7 @@ class ServerMetrics:
             "action (load, restore) and status code (OK or an error code)", ["action", "code"],
             registry=registry)
         registry.register(_EngineCollector(self))
+        ProcessCollector(registry=registry)   # process_*: memory, CPU, open fds (Linux)
 
     def attach(self, engine: EngineFrontend) -> None:
         self._engine = engine
@@ -124,9 +135,9 @@ ENGINE_GAUGES = {
 
 
 class _EngineCollector(Collector):
-    """The engine's load and its current catalog version from one `stats()` per scrape (a
-    catalog swap shows at once, and the previous version's labels vanish); 0 while the
-    engine loads."""
+    """The engine's load, readiness and its current catalog version from one `stats()` per
+    scrape (a catalog swap shows at once, and the previous version's labels vanish); 0
+    while the engine loads (the limits and the catalog are absent then)."""
 
     def __init__(self, metrics: ServerMetrics):
         self.metrics = metrics
@@ -136,8 +147,22 @@ class _EngineCollector(Collector):
         stats = None if engine is None else engine.stats()
         for name, (doc, value) in ENGINE_GAUGES.items():
             yield GaugeMetricFamily(name, doc, value=0.0 if stats is None else value(stats))
+        yield GaugeMetricFamily("xrec_ready", "1 while the engine is loaded and takes new work, "
+                                "else 0 (loading, closed by a drain, scheduler stopped)",
+                                value=float(stats is not None and stats.is_serving))
         if stats is not None:
+            yield from _limit_gauges(engine.options)
             yield from _catalog_gauges(stats)
+
+
+def _limit_gauges(options: EngineOptions) -> Iterator[GaugeMetricFamily]:
+    yield GaugeMetricFamily("xrec_request_queue_limit", "request_queue_size: requests waiting "
+                            "(xrec_requests_waiting) at which new ones are refused 429",
+                            value=options.request_queue_size)
+    if options.request_timeout_ms is not None:
+        yield GaugeMetricFamily("xrec_request_timeout_seconds", "request_timeout_ms in seconds: "
+                                "the deadline of requests that give no timeout_ms",
+                                value=options.request_timeout_ms / 1000)
 
 
 def _catalog_gauges(stats: EngineStats) -> Iterator[GaugeMetricFamily]:
