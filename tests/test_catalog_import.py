@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -283,6 +286,8 @@ def test_from_model_dir_naming_rules(tmp_path):
     assert load(item_catalog="e.bin", extended_item_info=True) == [12]
     assert load(vocab_file="a.bin") == [10, 11]  # xllm's key
     assert load(vocab_file="items.txt") == [10, 11]  # a text catalog (after its # header)
+    (tmp_path / "headed.txt").write_text("item_id,t0,t1,t2\n10,1,2,3\n11,4,5,6\n")
+    assert load(vocab_file="headed.txt") == [10, 11]  # its CSV header is not a vocabulary's
     for vocabulary in ("vocab.json", "tokenizer.model", "qwen.tiktoken", "vocab.txt", "/x/v.json"):
         assert load(vocab_file=vocabulary) is None, vocabulary
     assert load(vocab_file="vocab.json", item_catalog="a.bin") == [10, 11]
@@ -295,3 +300,66 @@ def test_from_model_dir_naming_rules(tmp_path):
                        ({"item_catalog": "a.bin", "extended_item_info": 1}, "extended_item_info")):
         with pytest.raises(CatalogError, match=match):
             load(**bad)
+
+
+# --- the text reader and the CSV importer agree; files that are no regular file (issue 28) ---
+
+def test_a_header_line_is_read_alike_by_the_importer_and_the_text_reader(tmp_path, tokenizer):
+    """`catalog import` took `item_id,t0,t1,t2` as a header; the text reader refused it with
+    "'item_id,t0,t1,t2' is not 'item_id,t0,t1,t2' (four integers)"."""
+    header = "item_id,t0,t1,t2\n"
+    text = tmp_path / "items.csv"
+    text.write_text(header + "10,1,2,3\n11,4,5,6\n")
+    assert ItemCatalog.read(text, V).item_ids.tolist() == [10, 11]
+    tokens = tmp_path / "tokens.csv"
+    tokens.write_text(header + "10,<s_a_1>,<s_b_2>,<s_c_3>\n")
+    assert import_token_csv(tokens, tokenizer, V).item_ids.tolist() == [10]
+    # only a first line is a header; later, the message names the line and the field,
+    # says what a line must be once, and quotes nothing of the file
+    text.write_text("10,1,2,3\n" + header)
+    with pytest.raises(CatalogError) as info:
+        ItemCatalog.read(text, V)
+    message = str(info.value)
+    assert message.endswith("line 2: the line is not 'item_id,t0,t1,t2' (four integers): field "
+                            "item_id is not an integer")
+    assert message.count("item_id,t0,t1,t2") == 1
+    # a first line with an integer in it, or not of four fields, is data: an error, not skipped
+    for first, problem in (("l0,1,2,3", "field item_id is not an integer"),
+                           ("SECRET=hunter2", "1 comma-separated field(s)")):
+        text.write_text(f"{first}\n11,4,5,6\n")
+        with pytest.raises(CatalogError, match=rf"line 1: .*: {re.escape(problem)}$") as info:
+            ItemCatalog.read(text, V)
+        assert first not in str(info.value)
+        tokens.write_text(f"{first}\n11,<s_a_1>,<s_b_2>,<s_c_3>\n")
+        with pytest.raises(CatalogError, match="line 1"):
+            import_token_csv(tokens, tokenizer, V)
+
+
+def _in_thread(function, *args):
+    """`function(*args)` on a daemon thread: its exception or result, None if it blocks."""
+    outcome: list = []
+
+    def run():
+        try:
+            outcome.append(function(*args))
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            outcome.append(exc)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)
+    return outcome[0] if outcome else None
+
+
+def test_readers_refuse_fifos_and_devices_without_reading(tmp_path, tokenizer):
+    """A FIFO blocked the reader for ever and /dev/zero was read until memory ran out."""
+    fifo = tmp_path / "items.bin"
+    os.mkfifo(fifo)
+    csv_fifo = tmp_path / "items.csv"
+    os.mkfifo(csv_fifo)
+    cases = [(ItemCatalog.read, fifo, V), (ItemCatalog.read, csv_fifo, V),
+             (ItemCatalog.read, "/dev/zero", V), (import_token_csv, csv_fifo, tokenizer, V),
+             (import_token_map, "/dev/zero", tokenizer, V), (ItemCatalog.read, tmp_path, V)]
+    for function, path, *rest in cases:
+        error = _in_thread(function, path, *rest)
+        assert isinstance(error, CatalogError), (function, path, error)
+        assert str(path) in str(error) and "not a regular file (a" in str(error), str(error)

@@ -261,7 +261,7 @@ def metric_samples(client) -> dict:
 
 
 def test_admin_routes(engine, tmp_path):
-    server = ServerThread(create_app(engine, api_key=API_KEY))
+    server = ServerThread(create_app(engine, api_key=API_KEY, catalog_dir=tmp_path))
     try:
         with httpx.Client(base_url=server.url, headers=AUTH, timeout=WAIT_S) as client:
             for method, path in (("GET", "/v1/admin/catalog"), ("POST", "/v1/admin/catalog"),
@@ -292,16 +292,19 @@ def test_admin_routes(engine, tmp_path):
 
             refused = client.post("/v1/admin/catalog", json={"path": str(tmp_path / "none.bin")})
             assert refused.status_code == 400 and refused.json()["error"]["code"] == "INVALID_ARGUMENT"
-            assert "none.bin" in refused.json()["error"]["message"]
+            assert refused.json()["error"]["message"].startswith("catalog none.bin: ")
             for body_bytes in (b"{", b'{"path": 5}', b'{"path": "x", "bogus": 1}', b"{}"):
                 bad = client.post("/v1/admin/catalog", content=body_bytes)
                 assert bad.status_code in (400, 422) and bad.json()["error"]["code"] == "INVALID_ARGUMENT"
+            (tmp_path / "bad.bin").write_bytes(b"\x01" * 7)
+            bad = client.post("/v1/admin/catalog", json={"path": "bad.bin"})   # read, then refused
+            assert bad.status_code == 400 and "partial record" in bad.json()["error"]["message"]
             restore = client.post("/v1/admin/catalog/restore")   # the refused load let the previous go
             assert restore.status_code == 404 and restore.json()["error"]["code"] == "NOT_FOUND"
             assert client.get("/v1/admin/catalog").json()["current"]["content_hash"] == new.content_hash()
             samples = metric_samples(client)
             assert samples[("xrec_catalog_changes_total",
-                            (("action", "load"), ("code", "INVALID_ARGUMENT")))] == 5
+                            (("action", "load"), ("code", "INVALID_ARGUMENT")))] == 6
             assert samples[("xrec_catalog_changes_total",
                             (("action", "restore"), ("code", "NOT_FOUND")))] == 1
 
@@ -331,7 +334,7 @@ def test_hot_reload_under_load(model_dir, tmp_path):
     engine = Engine.from_pretrained(model_dir, isolation="thread",
                                     device="cpu", max_concurrency=2, max_seqs_per_batch=8)
     catalogs[engine.catalog_version.content_hash] = engine.catalog
-    server = ServerThread(create_app(engine))
+    server = ServerThread(create_app(engine, catalog_dir=tmp_path))
     stop = threading.Event()
     answers: list = []
     sent = Counter()

@@ -221,3 +221,89 @@ def test_make_model_bad_arguments(home, tmp_path):
     proc = xrec_cli("make-model", "--size", "tiny", "--out", str(tmp_path / "m"), "--items", "-5", home=home)
     assert proc.returncode != 0
     assert "items" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("port", ["70000", "-1", "65536"])
+def test_serve_refuses_a_port_outside_the_range(home, tmp_path, port):
+    """`--port 70000` listened on 4464 (70000 mod 65536); `--port -1` blamed the host."""
+    proc = xrec_cli("serve", "--model", str(tmp_path / "none"), "--port", port, home=home)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"xrec serve: error: --port: got {port}, port must be 0–65535"]
+
+
+def _broken_copy(tiny_model: Path, out: Path, damage: str) -> Path:
+    """A copy of the tiny model with its model.safetensors truncated or one weight NaN."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_model, out)
+    path = out / "model.safetensors"
+    if damage == "truncated":
+        path.write_bytes(path.read_bytes()[:1000])
+    else:
+        tensors = load_file(path)
+        tensors["encoder.block.0.layer.0.SelfAttention.q.weight"][2, 3] = float("nan")
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("truncated", ["model.safetensors: not a valid safetensors file (1000 bytes",
+                   "truncated or corrupt"]),
+    ("nan", ["tensor 'encoder.block.0.layer.0.SelfAttention.q.weight' in ",
+             "model.safetensors holds 1 non-finite values"])])
+@pytest.mark.parametrize("command", ["recommend", "serve"])
+def test_a_broken_model_file_is_one_error_line(tiny_model, home, tmp_path, damage, words, command):
+    """A truncated file was a 23-line traceback; a NaN weight answered "0 results" (exit 0)
+    and the server 200 with no results: one line naming the file or the tensor, exit 1,
+    before the server listens."""
+    broken = _broken_copy(tiny_model, tmp_path / "broken", damage)
+    extra = ["--port", "0"] if command == "serve" else []
+    proc = xrec_cli(command, "--model", str(broken), "--device", "cpu", *extra, home=home)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line, = proc.stderr.strip().splitlines()
+    assert line.startswith(f"xrec {command}: error: ") and str(broken) in line, line
+    assert all(w in line for w in words), line
+
+
+def test_an_unreadable_model_file_is_permission_denied(tiny_model, home, tmp_path):
+    """chmod 000 model.safetensors was reported as "No such file or directory". Root reads
+    every file, so as root the file goes to an unmapped owner and xrec runs in a user
+    namespace (`unshare -r`), where root's override does not reach it."""
+    import shutil
+
+    model = tmp_path / "locked"
+    shutil.copytree(tiny_model, model)
+    path = model / "model.safetensors"
+    prefix = []
+    if os.geteuid() == 0:
+        probe = subprocess.run(["unshare", "-r", "true"], capture_output=True)
+        if probe.returncode != 0:
+            pytest.skip("root, and no user namespace to be anyone else in (unshare -r)")
+        os.chown(path, 12345, 12345)
+        prefix = ["unshare", "-r"]
+    path.chmod(0)
+    env = dict(os.environ, XREC_HOME=str(home))
+    proc = subprocess.run([*prefix, sys.executable, "-m", "xrec.cli", "recommend", "--model",
+                           str(model), "--device", "cpu"], capture_output=True, text=True,
+                          timeout=TIMEOUT_S, env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"xrec recommend: error: [Errno 13] Permission denied: '{path}'"]
+
+
+def test_make_model_files_are_readable_by_others(home, tmp_path):
+    """model.safetensors was 0600 while the other files were 0644: another user could not
+    serve the directory. Every file gets the umask's mode."""
+    out = tmp_path / "m"
+    env = dict(os.environ, XREC_HOME=str(home))
+    proc = subprocess.run([sys.executable, "-c", "import os, sys; os.umask(0o022); "
+                           "from xrec.cli import main; sys.exit(main(sys.argv[1:]))",
+                           "make-model", "--size", "tiny", "--out", str(out), "--items", "10"],
+                          capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    assert proc.returncode == 0, proc.stderr
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+    assert "model.safetensors" in modes
+    assert modes == {name: "0o644" for name in modes}

@@ -19,6 +19,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -33,7 +35,7 @@ from xrec import Engine  # noqa: E402
 from xrec.demo import write_random_model  # noqa: E402
 from xrec.server import schemas  # noqa: E402
 from xrec.server.app import create_app  # noqa: E402
-from xrec.server.limits import ConnectionLimits  # noqa: E402
+from xrec.server.limits import MAX_LINGER_BYTES, ConnectionLimits  # noqa: E402
 from xrec.server.run import DrainingServer, server_config  # noqa: E402
 
 CHAT = "/v1/chat/completions"
@@ -50,6 +52,11 @@ def limited_server(engine, grace_s: float | None = None, **limits) -> ServerThre
         return ServerThread(app, config=config)
     return ServerThread(app, DrainingServer, config=config, service=app.state.xrec,
                         grace_s=grace_s)
+
+
+def limited_app_server(app, **limits) -> ServerThread:
+    """`app` behind `xrec serve`'s uvicorn settings with `limits`."""
+    return ServerThread(app, config=server_config(app, ConnectionLimits(**limits)))
 
 
 def connect(port: int) -> socket.socket:
@@ -116,6 +123,48 @@ def test_oversized_head_is_431_and_the_server_keeps_serving(served):
     assert refusals(served.url, "max_header_bytes") == 1
 
 
+def _head(*headers: bytes, target: bytes = b"/health") -> bytes:
+    return b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n" + b"".join(headers) + b"\r\n"
+
+
+# heads that end inside one read (or two): `on_headers_complete` reset the count before the
+# check, so all of these were 200
+WHOLE_HEADS = {
+    "17-kb-header": [_head(b"X-Big: " + b"a" * 17_000 + b"\r\n")],
+    "40-kb-header": [_head(b"X-Big: " + b"a" * 40_000 + b"\r\n")],
+    "100-kb-header": [_head(b"X-Big: " + b"a" * 100_000 + b"\r\n")],
+    "5000-small-headers": [_head(*(b"X-H%d: v\r\n" % i for i in range(5000)))],
+    "20-kb-url": [_head(target=b"/health?q=" + b"a" * 20_000)],
+    "20-kb-in-two-writes": [(head := _head(b"X-Big: " + b"a" * 20_000 + b"\r\n"))[:10_000],
+                            head[10_000:]],
+}
+
+
+@pytest.mark.parametrize("writes", WHOLE_HEADS.values(), ids=WHOLE_HEADS.keys())
+def test_a_head_over_the_limit_is_431_also_when_it_ends_inside_a_read(served, writes):
+    before = refusals(served.url, "max_header_bytes")
+    with connect(served.port) as sock:
+        for data in writes:
+            sock.sendall(data)
+            time.sleep(0.05)   # separate reads, most of the time (either way: 431)
+        status, headers, body = read_answer(sock)
+        assert status == 431 and headers["connection"] == "close", body
+        assert_error_shape(body, headers, "PAYLOAD_TOO_LARGE")
+        assert_closed_by_server(sock)
+    assert refusals(served.url, "max_header_bytes") == before + 1
+
+
+def test_a_head_under_the_limit_with_its_body_in_the_same_read_is_served(served):
+    """The head is measured, not the read: 15 KB of head and a body in one write is 200."""
+    body = json.dumps({**VALID, "request_id": "r" * 200}).encode()
+    with connect(served.port) as sock:
+        sock.sendall(f"POST {NATIVE} HTTP/1.1\r\nHost: x\r\nX-Pad: {'a' * 15_000}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                     f"\r\n".encode() + body)
+        status, _, answer = read_answer(sock)
+    assert status == 200 and answer["id"] == "r" * 200
+
+
 # ---- 2. timeouts, idle connections, the connection cap ----------------------------------------
 
 def test_slow_head_and_slow_body_get_408(impatient):
@@ -135,6 +184,44 @@ def test_slow_head_and_slow_body_get_408(impatient):
     assert httpx.post(impatient.url + NATIVE, json=VALID, timeout=WAIT_S).status_code == 200
     assert refusals(impatient.url, "header_timeout") == 1
     assert refusals(impatient.url, "body_timeout") == 1
+
+
+def test_the_body_deadline_is_the_body_timeout_and_the_head_deadline_the_head_timeout(engine):
+    """Each deadline is armed with its own timeout: a body sent slowly, past a short head
+    timeout but within a long body timeout, is served; a head sent slowly within a long
+    head timeout is read, and its body then gets 408 after the short body timeout (with
+    the timeouts swapped, that 408 would come only after WAIT_S * 4: past the socket's
+    timeout, and the test fails)."""
+    data = json.dumps(VALID).encode()
+    head = (f"POST {NATIVE} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n").encode()
+    short, long = 0.5, WAIT_S * 4
+    running = limited_server(engine, header_timeout_s=short, body_timeout_s=long)
+    try:
+        with connect(running.port) as sock:
+            sock.sendall(head)
+            for start in range(0, len(data), 8):
+                time.sleep(short / 3)   # the whole body takes several head timeouts
+                sock.sendall(data[start:start + 8])
+            status, _, answer = read_answer(sock)
+            assert status == 200, answer
+    finally:
+        running.stop()
+    running = limited_server(engine, header_timeout_s=long, body_timeout_s=short)
+    try:
+        with connect(running.port) as sock:
+            for start in range(0, len(head), 16):
+                sock.sendall(head[start:start + 16])
+                time.sleep(short / 3)   # the head takes several body timeouts
+            sock.sendall(data[:5])        # and the body never ends
+            status, headers, body = read_answer(sock)
+            assert status == 408 and body["error"]["message"] == (
+                f"request body not received within {short:g} s"), body
+            assert_error_shape(body, headers, "DEADLINE_EXCEEDED")
+        assert refusals(running.url, "body_timeout") == 1
+        assert refusals(running.url, "header_timeout") == 0
+    finally:
+        running.stop()
 
 
 def test_idle_connections_are_closed(impatient):
@@ -248,6 +335,49 @@ def test_body_limit_is_the_largest_valid_request(served, engine):
 
 def _service(running: ServerThread):
     return running.server.config.app.state.xrec
+
+
+def test_a_body_over_the_limit_is_a_413_that_clients_can_read(engine):
+    """A 30 MB body to a server whose limit is 8 MiB: urllib (which sends its whole body,
+    with `Connection: close`, before reading) saw ConnectionResetError instead of the 413.
+    The server now reads and drops what is still coming (bounded) after answering."""
+    running = limited_app_server(create_app(engine, max_body_bytes=8 << 20))
+    try:
+        body = b'{"token_ids": [' + b"1," * (15 << 20) + b"1]}"   # 30 MiB of JSON
+        for chunked in (False, True):
+            data = iter([body[i:i + (1 << 20)] for i in range(0, len(body), 1 << 20)]) \
+                if chunked else body
+            request = urllib.request.Request(running.url + NATIVE, data=data,
+                                             headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as info:
+                urllib.request.urlopen(request, timeout=WAIT_S)
+            assert info.value.code == 413
+            error = json.loads(info.value.read())["error"]
+            assert error["code"] == "PAYLOAD_TOO_LARGE" and "8388608 bytes" in error["message"]
+        response = httpx.post(running.url + NATIVE, content=body, timeout=WAIT_S,
+                              headers={"Content-Type": "application/json"})
+        assert_error(response, 413, "PAYLOAD_TOO_LARGE")
+        assert httpx.post(running.url + NATIVE, json=VALID, timeout=WAIT_S).status_code == 200
+    finally:
+        running.stop()
+
+
+def test_the_drain_after_an_early_answer_is_bounded_in_bytes(engine):
+    """A client that keeps sending after its 413 is cut off once MAX_LINGER_BYTES are
+    dropped: it read the 413 and then its sends fail."""
+    running = limited_app_server(create_app(engine, max_body_bytes=1 << 20))
+    try:
+        with connect(running.port) as sock:
+            sock.sendall(f"POST {NATIVE} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                         f"Content-Length: {1 << 40}\r\n\r\n".encode())
+            chunk, num_sent = b"0" * (1 << 20), 0
+            with pytest.raises(OSError):   # reset or broken pipe once the server has closed
+                while num_sent < 8 * MAX_LINGER_BYTES:
+                    sock.sendall(chunk)
+                    num_sent += len(chunk)
+            assert num_sent >= MAX_LINGER_BYTES // 2, num_sent
+    finally:
+        running.stop()
 
 
 def test_a_body_of_many_small_values_is_refused_before_parsing(served, engine):

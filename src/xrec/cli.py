@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=None, help="default: the size of "
                        "the largest valid request for the model (35 MiB for onerec-0.015b)")
     serve.add_argument("--grace-s", type=float, default=30.0, help="drain time on SIGTERM")
+    serve.add_argument("--catalog-dir", help="turn catalog loads (POST /v1/admin/catalog) on: "
+                       "they may read regular files under this directory only (default: off)")
+    serve.add_argument("--max-catalog-bytes", type=int, default=None,
+                       help="largest catalog file read from --catalog or a load (default 4 GiB)")
     limits = serve.add_argument_group("connection limits (README, Serving)")
     limits.add_argument("--max-header-bytes", type=int, default=None,
                         help="request line + headers, else 431 (default 16384)")
@@ -181,6 +185,7 @@ def _int_list(flag: str, text: str | None) -> list[int] | None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    _check_serve_args(args)
     if args.ray:   # the same app, one Engine per Ray Serve replica (xrec.scale.serve_app)
         from xrec.scale.cli import run_serve_ray
         return run_serve_ray(args, model_dir_or_demo(args.model),
@@ -188,6 +193,27 @@ def _serve(args: argparse.Namespace) -> int:
     from xrec.server.run import serve
     return serve(args, model_dir_or_demo(args.model), EngineOptions.kwargs_from_cli(args),
                  owns_process=True)
+
+
+def _check_serve_args(args: argparse.Namespace) -> None:
+    """What `xrec serve` checks before loading anything: the port, the flags --ray cannot
+    take, and the --catalog file (a regular file of at most --max-catalog-bytes: a FIFO
+    would block the load, /dev/zero would never end it)."""
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port: got {args.port}, port must be 0–65535")
+    if args.ray and args.catalog_dir is not None:
+        raise ValueError("--catalog-dir: catalog loads are not served with --ray (each replica "
+                         "holds its own catalog)")
+    from xrec.server.admin import DEFAULT_MAX_CATALOG_BYTES
+    from xrec.utils.files import FileRefused, check_regular_file
+    max_bytes = args.max_catalog_bytes
+    if max_bytes is not None and max_bytes < 1:
+        raise ValueError(f"--max-catalog-bytes: got {max_bytes}, expected >= 1")
+    if args.catalog is not None:  # the catalog reader checks it again when it reads
+        try:
+            check_regular_file(args.catalog, max_bytes or DEFAULT_MAX_CATALOG_BYTES)
+        except FileRefused as e:
+            raise ValueError(f"--catalog {args.catalog}: {e}") from None
 
 
 if __name__ == "__main__":

@@ -6,11 +6,16 @@ included (`ItemCatalog` resolves them), after checking every record:
 - default record, 20 bytes: `int64 item_id, int32 t0, int32 t1, int32 t2`;
 - extended record: `int64 item_id, uint32 did_len, did, uint32 type_len, type,
   int32 t0, int32 t1, int32 t2`, each string UTF-8 and at most 1 MiB;
-- text: one `item_id,t0,t1,t2` per line; blank lines and `#` lines ignored.
+- text: one `item_id,t0,t1,t2` per line; blank lines and `#` lines ignored, and
+  so is a header line (the first other line when it has four fields and none is an
+  integer, as `item_id,t0,t1,t2`: the rule of `xrec catalog import`'s CSV, `is_header_row`).
 
-All binary fields are little-endian, no header. A bad file raises
-`CatalogError` naming the file, the byte offset of the record (line number for
-text) and the bad value.
+All binary fields are little-endian, no header. Files are read with
+`xrec.utils.files.read_regular_file`: a FIFO, a device or a directory is refused
+before anything is read. A bad file raises `CatalogError` naming the file, the
+byte offset of the record (line number for text) and the rule it breaks; it never
+quotes the file's text (a server may be asked to read a file that is not a
+catalog: docs/serving.md, "Catalog files").
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from xrec.errors import InvalidArgument
+from xrec.utils.files import FileRefused, read_regular_file
 
 MAX_STRING_BYTES = 1 << 20
 # Triples are packed into one int64 key t0*V*V + t1*V + t2, so V**3 must fit.
@@ -33,6 +39,8 @@ DEFAULT_RECORD = np.dtype([("item_id", "<i8"), ("tokens", "<i4", (3,))])  # 20 b
 NUM_LEVELS = 3
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _TEXT_LINE = re.compile(r"\s*(-?\d+)\s*,\s*(-?\d+)\s*,\s*(-?\d+)\s*,\s*(-?\d+)\s*")
+_INTEGER = re.compile(r"-?\d+")
+_TEXT_FIELDS = ("item_id", "t0", "t1", "t2")
 
 
 class CatalogError(InvalidArgument):
@@ -76,9 +84,26 @@ def _check_tokens(path: Path, triples: np.ndarray, vocab_size: int, record_offse
 
 def _read_bytes(path: Path) -> bytes:
     try:
-        return path.read_bytes()
-    except OSError as exc:
-        raise CatalogError(f"cannot read catalog file {path}: {exc.strerror or exc}") from exc
+        return read_regular_file(path)
+    except FileRefused as exc:
+        raise CatalogError(f"cannot read catalog file {path}: {exc}") from None
+
+
+def is_header_row(fields: list[str]) -> bool:
+    """A CSV or text catalog's first row is a header when it has an item's four fields and
+    none of them is an integer (`item_id,t0,t1,t2`; the same rule for `read_text` and
+    `xrec catalog import`)."""
+    return (len(fields) == 1 + NUM_LEVELS
+            and not any(_INTEGER.fullmatch(field.strip()) for field in fields))
+
+
+def _text_line_problem(line: str) -> str:
+    """What is wrong with a text catalog line, without quoting it."""
+    fields = [field.strip() for field in line.split(",")]
+    if len(fields) != len(_TEXT_FIELDS):
+        return f"{len(fields)} comma-separated field(s)"
+    names = [name for name, field in zip(_TEXT_FIELDS, fields) if not _INTEGER.fullmatch(field)]
+    return f"field {names[0]} is not an integer" if names else "stray characters"
 
 
 def read_binary(path: str | os.PathLike, vocab_size: int) -> CatalogColumns:
@@ -140,21 +165,27 @@ def read_extended(path: str | os.PathLike, vocab_size: int) -> CatalogColumns:
 
 
 def read_text(path: str | os.PathLike, vocab_size: int) -> CatalogColumns:
-    """Reads `item_id,t0,t1,t2` lines; blank lines and lines starting with # are skipped."""
+    """Reads `item_id,t0,t1,t2` lines; blank lines, lines starting with # and a header line
+    (`is_header_row`) are skipped."""
     path = Path(path)
     try:
         text = _read_bytes(path).decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise CatalogError(f"catalog {path}: byte offset {exc.start} is not UTF-8") from exc
+        raise CatalogError(f"catalog {path}: byte offset {exc.start} is not UTF-8") from None
     rows = []
+    is_first = True
     for line_number, line in enumerate(text.splitlines(), start=1):
         stripped = line.strip()
         if not stripped or stripped.startswith("#"):
             continue
+        is_header, is_first = is_first and is_header_row(stripped.split(",")), False
+        if is_header:
+            continue
         match = _TEXT_LINE.fullmatch(stripped)
         if match is None:
-            raise CatalogError(f"catalog {path}: line {line_number}: {stripped[:80]!r} is not "
-                               f"'item_id,t0,t1,t2' (four integers)")
+            raise CatalogError(f"catalog {path}: line {line_number}: the line is not "
+                               f"'item_id,t0,t1,t2' (four integers): "
+                               f"{_text_line_problem(stripped)}")
         item_id, *triple = (int(field) for field in match.groups())
         if not _INT64_MIN <= item_id <= _INT64_MAX:
             raise CatalogError(f"catalog {path}: line {line_number}: item_id = {item_id} "

@@ -5,7 +5,8 @@
   files hold `{"pid", "count", "count_after_downsample"}`, most popular first);
   codes become the tokens `<s_a_c1>`, `<s_b_c2>`, `<s_c_c3>`.
 - a JSON map item id -> token strings (MiniOneRec's index: `{"0": ["<a_12>", "<b_7>", "<c_200>"]}`).
-- a CSV `item_id,token,token,token` (an optional header line).
+- a CSV `item_id,token,token,token` (an optional header line: a first row of four
+  fields, none an integer; the rule of the text catalog reader, `formats.is_header_row`).
 
 Token strings become ids through the model's tokenizer, one lookup per distinct
 string. Rows keep file order (sid2pid: key order, then list order), which the
@@ -28,8 +29,9 @@ from typing import Any, Callable
 import numpy as np
 
 from xrec.catalog.items import ItemCatalog
-from xrec.catalog.formats import NUM_LEVELS, CatalogError, check_vocab_size
+from xrec.catalog.formats import NUM_LEVELS, CatalogError, check_vocab_size, is_header_row
 from xrec.tokenizer import PromptTokenizer
+from xrec.utils.files import FileRefused, read_regular_file
 
 __all__ = ["import_sid2pid", "import_token_csv", "import_token_map"]
 
@@ -43,11 +45,11 @@ _LEVEL_LETTERS = "abc"
 
 def _read_text(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise CatalogError(f"cannot read {path}: {exc.strerror or exc}") from exc
+        return read_regular_file(path).decode("utf-8")
+    except FileRefused as exc:
+        raise CatalogError(f"cannot read {path}: {exc}") from None
     except UnicodeDecodeError as exc:
-        raise CatalogError(f"{path}: byte offset {exc.start} is not UTF-8") from exc
+        raise CatalogError(f"{path}: byte offset {exc.start} is not UTF-8") from None
 
 
 def _read_json_object(path: Path) -> dict[str, Any]:
@@ -140,8 +142,9 @@ def import_token_map(path: str | os.PathLike, tokenizer: PromptTokenizer,
 
 def import_token_csv(path: str | os.PathLike, tokenizer: PromptTokenizer,
                      vocab_size: int) -> ItemCatalog:
-    """`item_id,token,token,token` lines; blank and `#` lines skipped; a first line whose
-    item id is not an integer is a header and skipped."""
+    """`item_id,token,token,token` lines; blank and `#` lines skipped; a first line of four
+    fields, none an integer, is a header and skipped (`is_header_row`, as the text catalog
+    reader)."""
     path, vocab_size = Path(path), check_vocab_size(vocab_size)
     id_texts, line_numbers, rows = [], [], []
     is_first = True
@@ -151,7 +154,7 @@ def import_token_csv(path: str | os.PathLike, tokenizer: PromptTokenizer,
             fields = [field.strip() for field in row]
             if not any(fields) or fields[0].startswith("#"):
                 continue
-            is_header = is_first and not _INTEGER.fullmatch(fields[0])
+            is_header = is_first and is_header_row(fields)
             is_first = False
             if not is_header:
                 id_texts.append(fields[0])

@@ -80,10 +80,15 @@ def _is_tokenizer_vocabulary(path: Path) -> bool:
         return False
     try:
         with open(path, encoding="utf-8", errors="replace") as lines:
+            first = True
             for line in lines:
                 stripped = line.strip()
-                if stripped and not stripped.startswith("#"):
-                    return _CATALOG_TEXT_LINE.fullmatch(stripped) is None
+                if not stripped or stripped.startswith("#"):
+                    continue
+                if first and catalog_io.is_header_row(stripped.split(",")):
+                    first = False   # a catalog's header (`item_id,t0,t1,t2`): look further
+                    continue
+                return _CATALOG_TEXT_LINE.fullmatch(stripped) is None
     except OSError:
         return False  # read() names the error
     return False

@@ -1,8 +1,8 @@
 """Catalog administration routes (hot reload; the engine side is `xrec.engine.catalogs`).
 
     GET  /v1/admin/catalog          {"current": VERSION | null, "previous": VERSION | null}
-    POST /v1/admin/catalog          {"path": "/srv/catalogs/items-2026-12-01.bin",
-                                     "extended": false}  -> the same shape, after the swap
+    POST /v1/admin/catalog          {"path": "items-2026-12-01.bin", "extended": false}
+                                    -> the same shape, after the swap (needs a catalog dir)
     POST /v1/admin/catalog/restore  the previous version serves again -> the same shape
 
 VERSION is `{"content_hash", "num_items", "loaded_at", "source", "is_extended"}`
@@ -11,16 +11,27 @@ batch ran on in the `X-Catalog-Version` header (its `content_hash`).
 
 Decisions where the issue is silent:
 
-- `path` is a file on the server's own file system, read as the engine reads catalogs
-  (text for .txt/.csv, binary otherwise; `extended` defaults to the current catalog's
-  form). The routes need the API key like every route but `/health`; a server
-  without a key trusts its network for these routes too.
+- Loads read the server's disk, so they are off unless the operator names a catalog
+  directory (`create_app(catalog_dir=...)`, `xrec serve --catalog-dir DIR`); off, a load
+  is 404 NOT_FOUND saying how to turn it on. `path` is relative to that directory (an
+  absolute path inside it is accepted too); symlinks and `..` are resolved first and
+  anything that lands outside is refused. The file must be a regular file of at most
+  `max_catalog_bytes` (`--max-catalog-bytes`, default 4 GiB), checked before anything is
+  read by the one check the catalog readers use (`xrec.utils.files`: stat, open without
+  blocking, fstat): a FIFO, a device or a directory is refused, never read. It is then
+  read as the engine reads catalogs (text for .txt/.csv, binary otherwise; `extended`
+  defaults to the current catalog's form).
+- Errors name the file relative to the catalog directory and the problem, never the
+  file's text (a load names any file, not only catalogs). The routes need the API key
+  like every route but `/health`; with a catalog directory and no key, the server logs a
+  warning at start: it trusts its network for loads too.
 - The load runs on a worker thread; the event loop keeps answering. Loads and
   restores run one at a time (a second waits for the first).
 - A file that fails a check is 400 INVALID_ARGUMENT naming the problem, and the
   current catalog keeps serving. A load lets go of the previous version before it
-  reads the new file (two catalogs in memory at most), so after a refused load there
-  is nothing to restore. Restore with nothing to restore: 404 NOT_FOUND.
+  reads the new file (two catalogs in memory at most), so after a load refused by the
+  catalog's own checks there is nothing to restore (one refused by the file checks
+  above, before reading, keeps it). Restore with nothing to restore: 404 NOT_FOUND.
 - While the model loads or the server drains: 503, as the completion routes.
 """
 
@@ -28,6 +39,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 import orjson
@@ -35,9 +49,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from xrec.errors import Internal, XrecError
+from xrec.errors import Internal, InvalidArgument, NotFound, XrecError
 from xrec.server import schemas
 from xrec.server.service import XrecService, error_response, read_body
+from xrec.utils.files import FileRefused, check_regular_file
 
 if TYPE_CHECKING:
     from xrec.engine.frontend import EngineFrontend
@@ -45,6 +60,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_ADMIN_BODY_BYTES = 64 << 10
+DEFAULT_MAX_CATALOG_BYTES = 4 << 30
 
 
 class CatalogLoadRequest(BaseModel):
@@ -53,8 +69,56 @@ class CatalogLoadRequest(BaseModel):
     extended: bool | None = None
 
 
-def add_catalog_routes(app: FastAPI, service: XrecService) -> None:
-    """Register the catalog routes on `app` (create_app calls this)."""
+@dataclass(frozen=True)
+class CatalogFiles:
+    """The files catalog loads may read: regular files under `directory` (resolved at
+    start) of at most `max_bytes` each (module docstring)."""
+
+    directory: Path
+    max_bytes: int = DEFAULT_MAX_CATALOG_BYTES
+
+    def __post_init__(self) -> None:
+        if (not isinstance(self.max_bytes, int) or isinstance(self.max_bytes, bool)
+                or self.max_bytes < 1):
+            raise ValueError(f"max_catalog_bytes: got {self.max_bytes!r}, expected an "
+                             f"integer >= 1")
+        directory = Path(os.path.realpath(self.directory))
+        if not directory.is_dir():
+            raise ValueError(f"catalog_dir: got {str(self.directory)!r}, expected an existing "
+                             f"directory")
+        object.__setattr__(self, "directory", directory)
+
+    def resolve(self, path: str) -> tuple[Path, str]:
+        """The real path of `path` (relative to the directory, or absolute inside it) and
+        its name relative to the directory; `InvalidArgument` when it lands outside."""
+        if "\0" in path:
+            raise InvalidArgument("path: holds a NUL character")
+        real = Path(os.path.realpath(self.directory / path))
+        if real != self.directory and self.directory not in real.parents:
+            raise InvalidArgument(f"path: got {path[:200]!r}, which is outside the catalog "
+                                  f"directory; name a file in it (relative to it)")
+        return real, real.relative_to(self.directory).as_posix()
+
+    def load(self, engine: EngineFrontend, path: str, extended: bool | None) -> None:
+        """Check `path` and load it into `engine` (blocking: runs on a worker thread)."""
+        real, name = self.resolve(path)
+        try:
+            check_regular_file(real, self.max_bytes)
+        except FileRefused as exc:
+            raise InvalidArgument(f"catalog {name}: {exc}") from None
+        try:
+            engine.load_catalog(str(real), extended)
+        except XrecError as exc:   # the engine names the file by its real path
+            raise type(exc)(exc.message.replace(str(real), name)) from None
+
+
+def add_catalog_routes(app: FastAPI, service: XrecService,
+                       files: CatalogFiles | None = None) -> None:
+    """Register the catalog routes on `app` (create_app calls this); loads read `files`
+    (None: loads are off)."""
+    if files is not None and service.api_key is None:
+        logger.warning("catalog loads from %s are on without an API key: whoever reaches "
+                       "the server may load any catalog file there", files.directory)
 
     @app.get("/v1/admin/catalog")
     async def catalog_versions() -> Response:
@@ -63,9 +127,12 @@ def add_catalog_routes(app: FastAPI, service: XrecService) -> None:
     @app.post("/v1/admin/catalog")
     async def load_catalog(request: Request) -> Response:
         async def load(engine: EngineFrontend) -> None:
+            if files is None:
+                raise NotFound("catalog loads are off on this server: start it with "
+                               "--catalog-dir DIR to load catalog files from DIR")
             body = await read_body(request, MAX_ADMIN_BODY_BYTES)
             parsed = schemas.parse_body(body, CatalogLoadRequest)
-            await asyncio.to_thread(engine.load_catalog, parsed.path, parsed.extended)
+            await asyncio.to_thread(files.load, engine, parsed.path, parsed.extended)
         return await _change(service, "load", load)
 
     @app.post("/v1/admin/catalog/restore")

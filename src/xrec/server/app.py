@@ -28,6 +28,8 @@ Decisions where docs/serving.md leaves a choice:
 from __future__ import annotations
 
 import hmac
+import os
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -37,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from xrec.engine.frontend import EngineFrontend
 from xrec.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable
 from xrec.server import openapi
-from xrec.server.admin import add_catalog_routes
+from xrec.server.admin import DEFAULT_MAX_CATALOG_BYTES, CatalogFiles, add_catalog_routes
 from xrec.server.service import COMPLETION_PATHS, XrecService, error_response
 
 
@@ -74,9 +76,14 @@ def _is_authorized(scope: dict, key: bytes) -> bool:
 
 
 def create_app(engine: EngineFrontend | None, *, served_model_name: str | None = None,
-               api_key: str | None = None, max_body_bytes: int | None = None) -> FastAPI:
+               api_key: str | None = None, max_body_bytes: int | None = None,
+               catalog_dir: str | os.PathLike | None = None,
+               max_catalog_bytes: int = DEFAULT_MAX_CATALOG_BYTES) -> FastAPI:
     """The HTTP app for `engine` (None: loading until `app.state.xrec.attach(engine)`).
-    `max_body_bytes`: None derives the limit from the engine (the largest valid request)."""
+    `max_body_bytes`: None derives the limit from the engine (the largest valid request).
+    `catalog_dir`: catalog loads (`POST /v1/admin/catalog`) read files of at most
+    `max_catalog_bytes` there; None turns loads off (admin.py)."""
+    files = None if catalog_dir is None else CatalogFiles(Path(catalog_dir), max_catalog_bytes)
     service = XrecService(engine, served_model_name, api_key, max_body_bytes)
     app = FastAPI(title="xrec", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.xrec = service
@@ -129,7 +136,7 @@ def create_app(engine: EngineFrontend | None, *, served_model_name: str | None =
         response.headers.update(exc.headers or {})   # 405: Allow (RFC 9110)
         return response
 
-    add_catalog_routes(app, service)
+    add_catalog_routes(app, service, files)
     app.add_middleware(_Gate, service=service)
     return app
 

@@ -7,8 +7,10 @@ body. `LimitedProtocol` is that protocol with these added, before any byte reach
 app (so before auth):
 
 - `max_header_bytes`: the request line and headers of one request together; past it
-  431 and the connection closes. Counted per received chunk while a head is being read,
-  so httptools never holds more than the limit plus one read (256 KiB).
+  431 and the connection closes. Counted twice: per received chunk while a head is being
+  read, so httptools never holds more than the limit plus one read (256 KiB), and as the
+  parser hands over the URL and each header (name, value and their separators), so a head
+  that ends inside one read is measured too.
 - `header_timeout_s`: from a request's first byte until its head is complete; past it
   408 (slow-header clients).
 - `body_timeout_s`: from the end of the head until the body is complete; past it 408
@@ -22,11 +24,14 @@ app (so before auth):
 A refusal is the app's JSON error shape (`{"error": {"code", "message", "request_id"}}`,
 with `X-Request-Id`) and `Connection: close`. The connection then lingers: its write
 side is shut and what the client still sends is read and dropped, until the client
-closes, `LINGER_S` pass without a byte, or `MAX_LINGER_S` pass in all. Closing at once
-with unread bytes would send a reset, and a client that sends its whole request
-before reading (most do) would see the reset instead of the refusal (docs/decisions.md,
-HTTP server). At most `max_connections` refused connections linger at a time; beyond
-that they close at once.
+closes, `LINGER_S` pass without a byte, `MAX_LINGER_S` pass in all, or `MAX_LINGER_BYTES`
+have been dropped. Closing at once with unread bytes would send a reset, and a client
+that sends its whole request before reading (most do) would see the reset instead of
+the refusal (docs/decisions.md, HTTP server). The same lingering close follows an app
+answer given before the request's body was read (a 413 for a declared size over the
+body limit) on a connection that is not kept alive (`Connection: close`, HTTP/1.0):
+uvicorn would close it at once. At most `max_connections` connections linger at a time;
+beyond that they close at once.
 
 The HTTP codes carry the nearest code of `xrec.errors`: 431 PAYLOAD_TOO_LARGE, 408
 DEADLINE_EXCEEDED, 503 UNAVAILABLE (with `Retry-After: 1`). `refusals` counts them by
@@ -41,10 +46,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-LINGER_S = 1.0         # a refused connection closes after this long without a byte
-MAX_LINGER_S = 10.0    # or after this long in all
+LINGER_S = 1.0                # a refused connection closes after this long without a byte
+MAX_LINGER_S = 10.0           # or after this long in all
+MAX_LINGER_BYTES = 64 << 20   # or once this much has been dropped
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,32 @@ class _Shared:
         self.refusals = refusals
 
 
+class _HeadRefused(Exception):
+    """Raised from a parser callback after a 431: stops httptools in the middle of a read."""
+
+
+class _CycleTransport:
+    """The transport as one request's cycle (uvicorn's RequestResponseCycle) sees it: a
+    close after its complete answer while the request's body is still arriving lingers
+    (module docstring) instead of resetting the connection."""
+
+    def __init__(self, protocol: LimitedProtocol, cycle: Any):
+        self._protocol, self._cycle = protocol, cycle
+        self._transport = protocol.transport
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        cycle, protocol = self._cycle, self._protocol
+        if protocol._is_lingering:
+            return   # lingering already: the linger closes it
+        if cycle.response_complete and cycle.more_body and not self._transport.is_closing():
+            protocol._linger_close()
+        else:
+            self._transport.close()
+
+
 def protocol_class(limits: ConnectionLimits, registry: Any = None) -> type[LimitedProtocol]:
     """A protocol class for `uvicorn.Config(http=...)` that enforces `limits`; refusals
     are counted on `registry` (a prometheus_client CollectorRegistry) when given."""
@@ -101,9 +134,11 @@ class LimitedProtocol(HttpToolsProtocol):
         self.timeout_keep_alive = self.limits.keep_alive_s
         self._is_reading_head = True   # the bytes coming in belong to a request head
         self._head_bytes = 0           # received since that head began
+        self._head_size = 0            # of that head, as parsed so far (URL, headers)
         self._deadline: asyncio.TimerHandle | None = None   # head or body deadline
-        self._is_refused = False       # refused and lingering: input is dropped
-        self._linger_until = 0.0       # loop time at which a lingering refusal closes at last
+        self._is_lingering = False     # lingering (refused, or answered with a body unread)
+        self._linger_until = 0.0       # loop time at which a lingering connection closes at last
+        self._num_dropped = 0          # bytes read and dropped while lingering
 
     # ---- connection ------------------------------------------------------------
 
@@ -120,37 +155,82 @@ class LimitedProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_deadline()
-        if self._is_refused:
+        if self._is_lingering:
             self.shared.num_lingering -= 1
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._is_refused:
-            self._linger()
+        # uvicorn's data_received (0.54) with the lingering drop in front and a parser
+        # callback's 431 (_HeadRefused) ending the read quietly
+        if self._is_lingering:
+            self._num_dropped += len(data)
+            if self._num_dropped > MAX_LINGER_BYTES:
+                self.transport.close()
+            else:
+                self._linger()
             return
         if self._is_reading_head:
             self._head_bytes += len(data)
-        super().data_received(data)
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if self._is_lingering:   # a callback refused the head: nothing more to parse
+                return
+            message = "Invalid HTTP request received."
+            self.logger.warning(message)
+            self.send_400_response(message)
+            return
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return
         if (self._is_reading_head and self._head_bytes > self.limits.max_header_bytes
-                and not self._is_refused and not self.transport.is_closing()):
-            self._refuse(431, "PAYLOAD_TOO_LARGE", f"request line and headers are over the "
-                         f"limit of {self.limits.max_header_bytes} bytes", "max_header_bytes")
+                and not self._is_lingering and not self.transport.is_closing()):
+            self._refuse_head()
 
     def eof_received(self) -> bool | None:
         return None  # the transport closes itself (also ends a lingering refusal early)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._is_lingering:   # lingering after the answer: no keep-alive close at 5 s
+            self._unset_keepalive_if_required()
 
     # ---- parser callbacks ------------------------------------------------------------
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._is_reading_head = True
+        self._head_size = 0
         self._arm(self.limits.header_timeout_s, self._head_timed_out)
 
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        self._add_to_head(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        super().on_header(name, value)
+        self._add_to_head(len(name) + len(value) + 4)   # "name: value\r\n"
+
     def on_headers_complete(self) -> None:
+        # the request line's method, spaces and "HTTP/1.1\r\n", and the blank line
+        self._add_to_head(len(self.parser.get_method()) + 13)
         self._is_reading_head = False
         self._head_bytes = 0
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.transport is self.transport:
+            cycle.transport = _CycleTransport(self, cycle)
         self._arm(self.limits.body_timeout_s, self._body_timed_out)
+
+    def _add_to_head(self, num_bytes: int) -> None:
+        self._head_size += num_bytes
+        if self._head_size > self.limits.max_header_bytes:
+            self._refuse_head()
+            raise _HeadRefused   # stops the parser: the rest of this read is dropped
 
     def on_message_complete(self) -> None:
         self._cancel_deadline()
@@ -191,18 +271,27 @@ class LimitedProtocol(HttpToolsProtocol):
 
     # ---- refusal ----------------------------------------------------------------------
 
+    def _refuse_head(self) -> None:
+        self._refuse(431, "PAYLOAD_TOO_LARGE", f"request line and headers are over the "
+                     f"limit of {self.limits.max_header_bytes} bytes", "max_header_bytes")
+
     def _refuse(self, status: int, code: str, message: str, reason: str) -> None:
         """Answer `status` with the JSON error shape, then linger and close."""
         self._count(reason)
-        self._cancel_deadline()
-        self._unset_keepalive_if_required()
-        self._is_refused = True
-        self.shared.num_lingering += 1
         cycle = self.cycle
         if cycle is not None:  # the app may be reading this request: it sees a disconnect
             cycle.disconnected = True
             cycle.message_event.set()
         self.transport.write(_error_bytes(status, code, message, self.server_state.default_headers))
+        self._linger_close()
+
+    def _linger_close(self) -> None:
+        """Shut the write side (after what is written), then read and drop what the client
+        still sends until it closes or a linger limit passes (module docstring)."""
+        self._cancel_deadline()
+        self._unset_keepalive_if_required()
+        self._is_lingering = True
+        self.shared.num_lingering += 1
         if self.shared.num_lingering > self.limits.max_connections or not \
                 self.transport.can_write_eof():
             self.transport.close()
@@ -214,7 +303,7 @@ class LimitedProtocol(HttpToolsProtocol):
         self._linger()
 
     def _linger(self) -> None:
-        """(Re)arm the close of a refused connection: LINGER_S from now, MAX_LINGER_S at most."""
+        """(Re)arm the close of a lingering connection: LINGER_S from now, MAX_LINGER_S at most."""
         self._cancel_deadline()
         delay = min(LINGER_S, self._linger_until - self.loop.time())
         self._deadline = self.loop.call_later(max(0.0, delay), self.transport.close)

@@ -18,7 +18,9 @@ signals are ignored until the process has exited: the drain is bounded by the
 grace period, never killed mid-batch. A batch still running then is not waited
 for: its clients have their answer, and the `xrec serve` process leaves at once
 (`os._exit(0)`): interpreter shutdown with torch running on a pipeline thread
-aborts ("terminate called without an active exception", status 134).
+aborts ("terminate called without an active exception", status 134). For the same
+reason a signal that comes while the model loads ends the process at once with
+status 0, without waiting for the load (there is nothing to drain yet).
 """
 
 from __future__ import annotations
@@ -95,6 +97,14 @@ def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
         raise ValueError(f"--{str(e).replace('_', '-')}") from None
 
 
+def catalog_files(args: argparse.Namespace) -> dict[str, Any]:
+    """The `--catalog-dir` / `--max-catalog-bytes` flags as `create_app`'s keywords."""
+    options: dict[str, Any] = {"catalog_dir": getattr(args, "catalog_dir", None)}
+    if getattr(args, "max_catalog_bytes", None) is not None:
+        options["max_catalog_bytes"] = args.max_catalog_bytes
+    return options
+
+
 def server_config(app: Any, limits: ConnectionLimits, verbose: bool = False,
                   **options: Any) -> uvicorn.Config:
     """uvicorn's settings for `app` behind `limits` (`xrec serve`'s, also used by tests)."""
@@ -118,10 +128,13 @@ def serve(args: argparse.Namespace, model_dir: str, engine_options: dict[str, An
     name = args.served_model_name or Path(model_dir).resolve().name
     try:
         app = create_app(None, served_model_name=name, api_key=api_key,
-                         max_body_bytes=args.max_body_bytes)
+                         max_body_bytes=args.max_body_bytes, **catalog_files(args))
     except ValueError as e:
         if api_key is not None and str(e).startswith("api key"):
             raise ValueError(f"--api-key / XREC_API_KEY: {str(e)[len('api key: '):]}") from None
+        if str(e).startswith(("catalog_dir:", "max_catalog_bytes:")):
+            flag, _, problem = str(e).partition(":")
+            raise ValueError(f"--{flag.replace('_', '-')}:{problem}") from None
         raise
     service: XrecService = app.state.xrec
     if args.grace_s < 0:
@@ -151,10 +164,16 @@ def _exit_now_if_busy(engine: EngineFrontend | None, status: int) -> None:
     if num_busy:
         logger.warning("xrec serve: %d batch(es) still running past the grace period (their "
                        "requests were answered UNAVAILABLE); exiting without waiting", num_busy)
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
+        _leave_now(status)
+
+
+def _leave_now(status: int) -> None:
+    """Exit with `status` without finalizing the interpreter, which would abort the process
+    (status 134) while torch runs on another thread (a batch, or the model loading)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _run(server: DrainingServer, sock: socket.socket, args: argparse.Namespace, model_dir: str,
@@ -192,6 +211,9 @@ def _run(server: DrainingServer, sock: socket.socket, args: argparse.Namespace, 
     loader.start()
     server.run(sockets=[sock])
     loader.join(timeout=1.0)
+    if loader.is_alive() and owns_process:  # stopped while loading: nothing to drain
+        logger.info("xrec serve: stopped while the model was loading")
+        _leave_now(0)
     if server.drain_thread is not None:
         server.drain_thread.join(timeout=max(1.0, 3 * args.grace_s))
     if service.engine is not None:  # idempotent; closes it when no signal did

@@ -1,15 +1,18 @@
-"""Where xrec keeps its files (`xrec_home`), and directories written whole or not at all."""
+"""Where xrec keeps its files (`xrec_home`), directories written whole or not at all, and
+reading a file that must be a regular one (`read_regular_file`)."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["atomic_directory", "xrec_home"]
+__all__ = ["FileRefused", "atomic_directory", "check_regular_file", "read_regular_file",
+           "xrec_home"]
 
 
 @contextmanager
@@ -42,3 +45,65 @@ def xrec_home() -> Path:
     """xrec's own files (the demo model, bench models, datasets): `$XREC_HOME`, else
     `~/.cache/xrec`."""
     return Path(os.environ.get("XREC_HOME") or Path.home() / ".cache" / "xrec")
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+class FileRefused(ValueError):
+    """A file that `read_regular_file` will not read. The message names the problem only
+    (never the path, never the content): callers say which file."""
+
+
+def _checked(status: os.stat_result, max_bytes: int | None) -> os.stat_result:
+    if not stat.S_ISREG(status.st_mode):
+        kind = next((name for is_kind, name in _KINDS if is_kind(status.st_mode)), "special")
+        raise FileRefused(f"not a regular file ({kind})")
+    if max_bytes is not None and status.st_size > max_bytes:
+        raise FileRefused(f"{status.st_size} bytes, over the limit of {max_bytes} bytes")
+    return status
+
+
+def _open_regular(path: str | os.PathLike, max_bytes: int | None) -> tuple[int, os.stat_result]:
+    """An open descriptor of `path` and its status, checked twice: stat before opening (a
+    device or FIFO is never opened), fstat after (what was opened is what was checked).
+    O_NONBLOCK: a FIFO swapped in between the two never blocks the open."""
+    if "\0" in os.fsdecode(path):
+        raise FileRefused("the path holds a NUL character")
+    try:
+        _checked(os.stat(path), max_bytes)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise FileRefused(exc.strerror or str(exc)) from None
+    try:
+        return fd, _checked(os.fstat(fd), max_bytes)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def check_regular_file(path: str | os.PathLike, max_bytes: int | None = None) -> os.stat_result:
+    """The status of `path` when `read_regular_file` would read it; else `FileRefused`."""
+    fd, status = _open_regular(path, max_bytes)
+    os.close(fd)
+    return status
+
+
+def read_regular_file(path: str | os.PathLike, max_bytes: int | None = None) -> bytes:
+    """The bytes of `path`, a regular file (symlinks followed) of at most `max_bytes`;
+    `FileRefused` for anything else (missing, unreadable, a directory, FIFO, device or
+    socket, too big). At most the size seen at open is read, so a file that grows meanwhile
+    cannot make the read unbounded."""
+    fd, status = _open_regular(path, max_bytes)
+    try:
+        file = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with file:
+        try:
+            return file.read(status.st_size)  # loops until that size or the end of the file
+        except OSError as exc:
+            raise FileRefused(exc.strerror or str(exc)) from None
