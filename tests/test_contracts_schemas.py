@@ -44,6 +44,13 @@ def test_native_top_k_is_passed_through_for_the_engine_to_validate():
     assert native(top_k=5).top_k == 5
 
 
+@pytest.mark.parametrize("fields, expected", [({"n": 3}, 3), ({"num_return_sequences": 3}, 3),
+                                              ({"n": 3, "num_return_sequences": 3}, 3), ({}, None)])
+def test_xllm_n_is_num_return_sequences(fields, expected):
+    """OpenAI's `n` means N on /v1/completions as on chat; neither: the engine's default (W)."""
+    assert xllm(**fields).num_return_sequences == expected
+
+
 def test_xllm_fields_reach_the_request():
     request = xllm(beam_width=8, num_return_sequences=3, normalize="full", return_items=False,
                    timeout_ms=250.0, prompt="")
@@ -63,7 +70,8 @@ def test_native_fields_reach_the_request():
 
 
 @pytest.mark.parametrize("fields, words", [
-    ({"stream": True}, "stream: got true"),
+    ({"n": 2, "num_return_sequences": 3}, "n: got 2 and num_return_sequences 3"),
+    ({"n": 0}, "n: got 0, expected >= 1"),
     ({"max_tokens": -1}, "max_tokens: got -1"),
     ({"logprobs": -2}, "logprobs: got -2"),
     ({"input_tensors": [{"name": "x", "data_type": "FLOAT", "shape": [1, 1],

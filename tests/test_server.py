@@ -289,7 +289,7 @@ def test_xllm_completions(client):
           "decode_name": "d"}, "beam_width": 4, "logprobs": 5, "max_tokens": 3}, True),
         ({"token_ids": [5, 6, 7], "beam_width": 4, "request_id": "x-1"}, True),
         ({"input_tensors": [tensor, ctx], "beam_width": 8, "num_return_sequences": 8,
-          "temperature": 0.0, "top_p": 1.0, "n": 1}, True),
+          "temperature": 0.0, "top_p": 1.0, "n": 8}, True),
         ({"token_ids": [5, 6, 7], "beam_width": 4, "return_items": False}, False),
     ]
     for body, items_on in cases:
@@ -428,7 +428,8 @@ MALFORMED = [
     ("x-tensor-twice", XLLM, {"input_tensors": [XT, XT]}, 400, "INVALID_ARGUMENT"),
     ("x-both-inputs", XLLM, {"token_ids": [1], "input_tensors": [XT]}, 400, "INVALID_ARGUMENT"),
     ("x-neither-input", XLLM, {"beam_width": 4}, 400, "INVALID_ARGUMENT"),
-    ("x-stream", XLLM, {"token_ids": [1], "stream": True}, 400, "INVALID_ARGUMENT"),
+    ("x-n-disagrees", XLLM, {"token_ids": [1], "n": 2, "num_return_sequences": 3}, 400,
+     "INVALID_ARGUMENT"),
     ("x-prompt", XLLM, {"prompt": "hello"}, 400, "INVALID_ARGUMENT"),
     ("x-unknown-field", XLLM, {"token_ids": [1], "foo": 1}, 422, "INVALID_ARGUMENT"),
     ("x-tensors-object", XLLM, {"input_tensors": XT}, 422, "INVALID_ARGUMENT"),

@@ -36,8 +36,11 @@ from test_server import (ServerThread, assert_error, metric, post_in_thread,  # 
                          start_serve, wait_until)
 
 from xrec import Engine  # noqa: E402
+from xrec.api_types import RecRequest  # noqa: E402
 from xrec.demo import write_random_model  # noqa: E402
+from xrec.errors import InvalidArgument  # noqa: E402
 from xrec.server.app import create_app  # noqa: E402
+from xrec.server.schemas import check_prompt_bound  # noqa: E402
 from xrec.tokenizer import PromptTokenizer  # noqa: E402
 
 ROUNDS, HIDDEN, VOCAB = 3, 32, 768        # the "qwen3-sid-test" size
@@ -228,6 +231,77 @@ def test_prompt_length_counts_the_generation_prefix(sid, reference, prompt_len):
     assert_error(sid.client.post(NATIVE, json={"token_ids": ids + ids[:1]}), 400)
 
 
+# ---- prompts that cannot fit: refused before the BPE work -------------------------------------
+
+LONG_TEXTS = [PROMPT, "7" * 500, "e\u0301" * 300 + "\u1100\u1161\u11a8" * 100,  # NFC shortens these
+              "<|im_start|>" * 50, "<s_a_1><s_b_2>" * 100, " " * 999, "\n\n" * 300,
+              "<xrec_unused_500>" * 40, "推荐视频 🙂 Café naïve " * 40]
+
+
+def test_min_num_tokens_is_a_lower_bound(sid_dir, reference):
+    tokenizer, _ = reference
+    ours = PromptTokenizer.from_model_dir(sid_dir)
+    assert ours.max_token_chars == max(map(len, tokenizer.get_vocab(with_added_tokens=True)))
+    for text in LONG_TEXTS:
+        num_tokens = len(tokenizer.encode(text).ids)
+        assert 0 < ours.min_num_tokens(text) <= num_tokens, text[:40]
+        assert ours.min_num_tokens(text) == -(-len(tokenizer.normalizer.normalize_str(text))
+                                              // ours.max_token_chars)
+
+
+def test_no_bound_where_a_token_may_cover_more_than_its_string(reference):
+    """Pipelines that drop characters or fuse them into one token have no bound (None)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    base, _ = reference
+
+    def variant(change) -> PromptTokenizer:
+        tokenizer = Tokenizer.from_str(base.to_str())
+        change(tokenizer)
+        return PromptTokenizer(tokenizer)
+    assert variant(lambda t: None).max_token_chars is not None
+    dropping = variant(lambda t: setattr(t, "pre_tokenizer", pre_tokenizers.Whitespace()))
+    assert len(dropping.encode(" " * 999)) == 0      # why: 999 characters, no token
+    assert dropping.max_token_chars is None and dropping.min_num_tokens(" " * 999) == 0
+    removed = pre_tokenizers.Split(" ", behavior="removed")
+    assert variant(lambda t: setattr(t, "pre_tokenizer", removed)).max_token_chars is None
+    assert variant(lambda t: t.enable_truncation(8)).max_token_chars is None
+    assert variant(lambda t: t.add_special_tokens([AddedToken("<m>", lstrip=True)])) \
+        .max_token_chars is None
+    fused = Tokenizer(models.BPE({"a": 0, "<unk>": 1}, [], unk_token="<unk>", fuse_unk=True))
+    assert PromptTokenizer(fused).max_token_chars is None
+    assert PromptTokenizer(Tokenizer(models.WordPiece({"a": 0, "[UNK]": 1}))).max_token_chars \
+        is None
+
+
+def test_a_prompt_that_cannot_fit_is_refused_without_encoding(sid, monkeypatch):
+    limits, tokenizer = sid.engine.limits, sid.engine.tokenizer
+    encoded = []
+    for name in ("encode", "encode_chat"):
+        monkeypatch.setattr(tokenizer, name, lambda *a, **k: encoded.append(a))
+    longest = (MAX_INPUT_LEN - 1) * tokenizer.max_token_chars   # no more fits (1: the prefix)
+    too_long = "7" * (longest + 1)
+    with pytest.raises(InvalidArgument, match=rf"prompt: at least {MAX_INPUT_LEN + 1} positions "
+                                              rf"\(with the generation prefix\), more than "
+                                              rf"max_input_len={MAX_INPUT_LEN}"):
+        check_prompt_bound(RecRequest(prompt=too_long), limits, tokenizer)
+    with pytest.raises(InvalidArgument, match=r"messages: at least \d+ positions"):
+        check_prompt_bound(RecRequest(messages=[{"role": "user", "content": too_long}]), limits,
+                           tokenizer)
+    parts = [{"role": "user", "content": [{"type": "text", "text": too_long}]}]
+    with pytest.raises(InvalidArgument, match="messages: at least"):
+        check_prompt_bound(RecRequest(messages=parts), limits, tokenizer)
+    # what may fit, or is no text, is left to the engine's exact count
+    for request in (RecRequest(prompt="7" * longest), RecRequest(prompt=PROMPT),
+                    RecRequest(messages=MESSAGES), RecRequest(token_ids=[1] * 10_000),
+                    RecRequest(prompt=too_long, token_ids=[1])):
+        check_prompt_bound(request, limits, tokenizer)
+    check_prompt_bound(RecRequest(prompt=too_long), limits, None)
+    assert encoded == []
+    error = assert_error(sid.client.post(XLLM, json={"prompt": too_long}), 400)
+    assert error["message"].startswith("prompt: at least") and encoded == []
+
+
 # ---- /v1/completions -------------------------------------------------------------------------
 
 def test_xllm_completions_prompt(sid, prompt_len, token_to_id):
@@ -389,8 +463,9 @@ MALFORMED = [
     ("chat-top-logprobs-without-logprobs", "sid", CHAT, {"messages": MESSAGES, "top_logprobs": 2},
      400, "INVALID_ARGUMENT", "top_logprobs"),
     ("chat-n-zero", "sid", CHAT, {"messages": MESSAGES, "n": 0}, 400, "INVALID_ARGUMENT", "n:"),
-    ("chat-stream", "sid", CHAT, {"messages": MESSAGES, "stream": True}, 400,
-     "INVALID_ARGUMENT", "stream"),
+    ("chat-stream-options-type", "sid", CHAT, {"messages": MESSAGES, "stream": True,
+                                               "stream_options": {"include_usage": "yes"}},
+     422, "INVALID_ARGUMENT", "stream_options.include_usage"),
     ("chat-max-tokens-negative", "sid", CHAT, {"messages": MESSAGES, "max_tokens": -1}, 400,
      "INVALID_ARGUMENT", "max_tokens"),
     ("chat-unknown-field", "sid", CHAT, {"messages": MESSAGES, "beam_widht": 8}, 422,
@@ -489,7 +564,7 @@ def test_metrics_count_the_chat_route_under_its_own_label(sid):
     body = {"messages": MESSAGES, "beam_width": 4}
     post(sid, CHAT, body)
     post(sid, CHAT, {**body, "n": 2})
-    assert_error(sid.client.post(CHAT, json={**body, "stream": True}), 400)
+    assert_error(sid.client.post(CHAT, json={**body, "n": 0}), 400)
     assert_error(sid.client.post(CHAT, json={"beam_width": 4}), 422)
     assert_error(sid.client.post(CHAT, json={**body, "model": "other"}), 404, "NOT_FOUND")
     after = counts()

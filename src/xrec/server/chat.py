@@ -14,13 +14,17 @@ Decisions where docs/serving.md leaves a choice:
   `choices[i].score`, `choices[i].token_ids`): OpenAI clients ignore unknown
   fields, and a result's items belong to that choice.
 - `n` and `num_return_sequences` both mean N (results); given both, they must agree.
+  Neither: N = beam_width, not OpenAI's 1 (docs/serving.md, "N"): a recommendation is a
+  list, the search finds W results at the cost of one, and `choices[0]` is the best.
 - `logprobs: true` fills `choices[i].logprobs.content` with one entry per token
   (`token`, `logprob`, `bytes`, `top_logprobs`); `top_logprobs` must be 0..20 and the
   lists stay empty: a beam search scores the tokens it keeps, not alternatives.
 - `max_tokens` / `max_completion_tokens` are accepted and ignored for length (a
   semantic ID has R tokens); sampling knobs (`temperature`, `top_p`, penalties,
-  `seed`, `stop`) are accepted and ignored, as on `/v1/completions`; `stream: true`
-  is 400.
+  `seed`, `stop`) are accepted and ignored, as on `/v1/completions`.
+- `stream: true` answers the same choices as OpenAI's chunks (stream.py): one per
+  choice with `delta.content` and the fields above, then `finish_reason`, then usage
+  when `stream_options.include_usage` is true.
 - The filters (`exclude_items`, `item_types`, `exclude_history`) are xrec extensions,
   as on the other routes (schemas.py); `exclude_history` excludes the items the
   conversation names by their semantic IDs, and `usage.excluded_items_unknown`
@@ -36,8 +40,9 @@ from pydantic import BaseModel, Field
 
 from xrec.api_types import RecRequest, RecResponse
 from xrec.errors import InvalidArgument
-from xrec.server.schemas import (EXCLUDE_HISTORY, EXCLUDE_ITEMS, ITEM_TYPES, STRICT, filter_usage,
-                                 filters_of)
+from xrec.server.schemas import (EXCLUDE_HISTORY, EXCLUDE_ITEMS, ITEM_TYPES, N_RESULTS, STREAM,
+                                 STREAM_OPTIONS, STRICT, StreamOptions, filter_usage, filters_of,
+                                 num_results)
 
 MAX_TOP_LOGPROBS = 20
 
@@ -47,7 +52,7 @@ class ChatRequest(BaseModel):
     model: str | None = None
     messages: list[dict[str, Any]]
     beam_width: int | None = None
-    n: int | None = None
+    n: int | None = Field(None, description=N_RESULTS)
     num_return_sequences: int | None = None
     top_k: int | None = None
     logprobs: bool | None = None
@@ -55,7 +60,8 @@ class ChatRequest(BaseModel):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     request_id: str | None = None
-    stream: bool | None = None
+    stream: bool | None = Field(None, description=STREAM)
+    stream_options: StreamOptions | None = Field(None, description=STREAM_OPTIONS)
     # xrec extensions
     normalize: str | None = None
     return_items: bool = True
@@ -72,7 +78,6 @@ class ChatRequest(BaseModel):
     seed: Any = None
     stop: Any = None
     user: Any = None
-    stream_options: Any = None
     response_format: Any = None
     logit_bias: Any = None
     service_tier: Any = None
@@ -80,14 +85,7 @@ class ChatRequest(BaseModel):
 
 
 def chat_request(req: ChatRequest, request_id: str) -> RecRequest:
-    if req.stream:
-        raise InvalidArgument("stream: got true; streaming is not supported (a result is one "
-                              "short semantic ID)")
-    if req.n is not None and req.num_return_sequences is not None and req.n != req.num_return_sequences:
-        raise InvalidArgument(f"n: got {req.n} and num_return_sequences {req.num_return_sequences}; "
-                              "they mean the same (results), give one")
-    if req.n is not None and req.n < 1:
-        raise InvalidArgument(f"n: got {req.n}, expected >= 1 (results per request)")
+    num = num_results(req.n, req.num_return_sequences)
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidArgument(f"top_logprobs: got {req.top_logprobs}, allowed range "
                               f"[0, {MAX_TOP_LOGPROBS}]")
@@ -98,8 +96,7 @@ def chat_request(req: ChatRequest, request_id: str) -> RecRequest:
         if value is not None and value < 0:
             raise InvalidArgument(f"{name}: got {value}, expected >= 0 (it is ignored)")
     return RecRequest(
-        messages=req.messages, beam_width=req.beam_width,
-        num_return_sequences=req.num_return_sequences if req.n is None else req.n,
+        messages=req.messages, beam_width=req.beam_width, num_return_sequences=num,
         top_k=req.top_k, normalize=req.normalize, return_items=req.return_items,
         timeout_ms=req.timeout_ms, request_id=request_id, **filters_of(req))
 

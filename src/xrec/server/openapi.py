@@ -9,7 +9,10 @@ tests/test_server_fuzz.py checks every answer against them). Range checks that
 depend on the served model (vocabulary, beam width, lengths) are not in the schema:
 they are answered 400 with the allowed range. The item filters (`exclude_items`,
 `item_types`, `exclude_history`) are described on each request model; a response's
-`usage` then carries `excluded_items_unknown`.
+`usage` then carries `excluded_items_unknown`. `/v1/completions` and
+`/v1/chat/completions` answer `stream: true` with `text/event-stream` (stream.py); as
+OpenAPI 3.1 has no stream schema, its `schema` describes one event, whose `data` is
+`[DONE]` or a JSON chunk (`CompletionChunk`, `ChatChunk`: `contentSchema`).
 """
 
 from __future__ import annotations
@@ -125,6 +128,51 @@ class ChatResponse(BaseModel):
     usage: dict[str, int] = Field(description=USAGE)
 
 
+class CompletionChunkChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: XllmLogprobs | None
+    finish_reason: Literal["stop"] | None
+
+
+class CompletionChunk(BaseModel):
+    """An event of a streamed `/v1/completions` answer (stream.py)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: dict[str, int] | None = Field(None, description=USAGE)
+    output_tensors: list[OutputTensor] | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    finish_reason: Literal["stop"] | None
+    logprobs: dict[str, Any] | None
+    token_ids: list[int] | None = None
+    score: float | None = None
+    items: list[Item] | None = None
+
+
+class ChatChunk(BaseModel):
+    """An event of a streamed `/v1/chat/completions` answer (stream.py)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: dict[str, int] | None = Field(None, description=USAGE)
+
+
 # route -> request examples valid for any served model of the route's family
 EXAMPLES = {
     "/v1/rec/completions": {
@@ -134,11 +182,24 @@ EXAMPLES = {
     "/v1/completions": {
         "token_ids": {"value": {"token_ids": [1, 2, 3], "beam_width": 8, "logprobs": True,
                                 "max_tokens": 3, "routing": {"prefill_name": "p",
-                                                             "decode_name": "d"}}}},
+                                                             "decode_name": "d"}}},
+        "streamed": {"value": {"token_ids": [1, 2, 3], "beam_width": 8, "n": 4, "stream": True,
+                               "stream_options": {"include_usage": True}}}},
     "/v1/chat/completions": {
         "messages": {"value": {"messages": [{"role": "user", "content": "What next?"}],
-                               "beam_width": 8, "n": 4, "logprobs": True}}},
+                               "beam_width": 8, "n": 4, "logprobs": True}},
+        "streamed": {"value": {"messages": [{"role": "user", "content": "What next?"}],
+                               "beam_width": 8, "n": 2, "stream": True,
+                               "stream_options": {"include_usage": True}}}},
 }
+
+# route -> the chunk of its answer to `stream: true` (server-sent events, stream.py)
+STREAMED = {"/v1/completions": CompletionChunk, "/v1/chat/completions": ChatChunk}
+STREAM_EVENTS = ("; with stream: true, server-sent events (text/event-stream), each `data: "
+                 "<JSON chunk>`: one chunk per choice, best first (finish_reason null), then "
+                 "one chunk with every choice's finish_reason, then with "
+                 "stream_options.include_usage a chunk with empty choices and the usage, then "
+                 "`data: [DONE]`")
 
 # route -> (summary, request model, response model)
 COMPLETIONS = {
@@ -152,9 +213,18 @@ COMPLETIONS = {
 @lru_cache(maxsize=1)
 def _components() -> dict:
     models = [(m, "validation") for _, m, _ in COMPLETIONS.values()]
-    models += [(m, "serialization") for m in (ErrorBody, *(r for _, _, r in COMPLETIONS.values()))]
+    models += [(m, "serialization") for m in (ErrorBody, *(r for _, _, r in COMPLETIONS.values()),
+                                              *STREAMED.values())]
     _, defs = models_json_schema(models, ref_template=REF)
     return defs["$defs"]
+
+
+def _event(chunk: dict) -> dict:
+    """One server-sent event (OpenAPI before 3.2: `schema` is an event): `data` is `[DONE]`
+    or the JSON of `chunk`."""
+    data = {"type": "string", "if": {"const": "[DONE]"},
+            "else": {"contentMediaType": "application/json", "contentSchema": chunk}}
+    return {"type": "object", "required": ["data"], "properties": {"data": data}}
 
 
 def document(is_auth_on: bool, title: str = "xrec", version: str = "0") -> dict:
@@ -167,14 +237,17 @@ def document(is_auth_on: bool, title: str = "xrec", version: str = "0") -> dict:
               for status, text in ERROR_STATUSES.items()}
     paths: dict[str, Any] = {}
     for path, (summary, request, response) in COMPLETIONS.items():
+        ok = {"description": "results, best first",
+              "content": {"application/json": {"schema": ref(response)}}}
+        if path in STREAMED:
+            ok["description"] += STREAM_EVENTS
+            ok["content"]["text/event-stream"] = {"schema": _event(ref(STREAMED[path]))}
         paths[path] = {"post": {
             "summary": summary,
             "requestBody": {"required": True,
                             "content": {"application/json": {"schema": ref(request),
                                                              "examples": EXAMPLES[path]}}},
-            "responses": {"200": {"description": "results, best first",
-                                  "content": {"application/json": {"schema": ref(response)}}},
-                          **errors}}}
+            "responses": {"200": ok, **errors}}}
     plain = {"200": {"description": "OK"}, "401": errors["401"]}
     paths["/v1/models"] = {"get": {"summary": "The served model", "responses": plain}}
     paths["/v1/models/{name}"] = {"get": {

@@ -16,9 +16,18 @@ Decisions where docs/serving.md leaves a choice:
   `CompletionRequest` proto or one of the xrec extensions
   (`num_return_sequences`, `normalize`, `return_items`, `timeout_ms` and the
   filters `exclude_items`, `item_types`, `exclude_history`). Proto
-  fields that mean nothing here (`temperature`, `top_p`, `n`, `echo`, ...)
-  are accepted and ignored; `stream: true` is 400. A non-empty `prompt` is
-  text for a model with a tokenizer (decoder-only); an empty one is absent.
+  fields that mean nothing here (`temperature`, `top_p`, `best_of`, `echo`, ...)
+  are accepted and ignored. A non-empty `prompt` is text for a model with a
+  tokenizer (decoder-only); an empty one is absent.
+- `n` (OpenAI's, and xllm's proto field) and `num_return_sequences` both mean N,
+  the number of results, as on the chat route; given both, they must agree (400).
+  Neither: N = beam_width, every result the search kept (docs/serving.md, "N").
+- `stream: true` answers the same choices as OpenAI's server-sent events (stream.py),
+  `stream_options.include_usage` adding the usage chunk; without `stream`,
+  `stream_options` is ignored.
+- Prompt length: a `prompt` or `messages` that cannot fit `max_input_len` is refused
+  before it is tokenized (`check_prompt_bound`), with the engine's message; BPE on a
+  prompt near the body limit takes most of a second, on the event loop.
 - A JSON number must be a number: `"NaN"` (a string) is a schema error (422);
   the non-standard literals `NaN` / `Infinity` and overflowing numbers such as
   `1e999` parse and are refused by the engine (400).
@@ -102,12 +111,28 @@ ITEM_TYPES = ("Recommend only items of these types (an allow-list of the catalog
               "strings; extended catalogs).")
 EXCLUDE_HISTORY = ("Exclude every catalog item whose semantic ID appears in the prompt "
                    "(decoder-only models with a tokenizer and a catalog).")
+N_RESULTS = ("Results (choices) to return, best first: OpenAI's `n`, the same as "
+             "`num_return_sequences` (given both, they must agree). Default: beam_width.")
+STREAM = ("true: the choices as server-sent events (text/event-stream) in OpenAI's chunk "
+          "format, one chunk per choice, then a chunk with finish_reason, then `data: [DONE]`.")
+INCLUDE_USAGE = "With stream: true, a last chunk with empty choices and the usage."
+STREAM_OPTIONS = "OpenAI's stream options; ignored without stream: true."
 
 
 class SchemaError(InvalidArgument):
     """A body that is JSON but not of the request's shape: HTTP 422."""
 
     http_status = 422
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's `stream_options`."""
+
+    model_config = STRICT
+    include_usage: bool | None = Field(None, description=INCLUDE_USAGE)
+    # accepted and ignored: OpenAI's padding of deltas, vLLM's usage in every chunk
+    include_obfuscation: Any = None
+    continuous_usage_stats: Any = None
 
 
 class Matrix(BaseModel):
@@ -182,7 +207,9 @@ class XllmRequest(BaseModel):
     max_tokens: int | None = None
     request_id: str | None = None
     service_request_id: str | None = None
-    stream: bool | None = None
+    n: int | None = Field(None, description=N_RESULTS)
+    stream: bool | None = Field(None, description=STREAM)
+    stream_options: StreamOptions | None = Field(None, description=STREAM_OPTIONS)
     # xrec extensions
     num_return_sequences: int | None = None
     normalize: str | None = None
@@ -195,7 +222,6 @@ class XllmRequest(BaseModel):
     best_of: Any = None
     temperature: Any = None
     top_p: Any = None
-    n: Any = None
     echo: Any = None
     stop: Any = None
     presence_penalty: Any = None
@@ -205,7 +231,6 @@ class XllmRequest(BaseModel):
     user: Any = None
     stop_token_ids: Any = None
     repetition_penalty: Any = None
-    stream_options: Any = None
     offline: Any = None
     slo_ms: Any = None
     priority: Any = None
@@ -308,10 +333,57 @@ def filters_of(req: Any) -> dict:
             "exclude_history": req.exclude_history}
 
 
+def num_results(n: int | None, num_return_sequences: int | None) -> int | None:
+    """N from OpenAI's `n` and xrec's `num_return_sequences` (None: the engine's default, W)."""
+    if n is not None and num_return_sequences is not None and n != num_return_sequences:
+        raise InvalidArgument(f"n: got {n} and num_return_sequences {num_return_sequences}; "
+                              "they mean the same (results), give one")
+    if n is not None and n < 1:
+        raise InvalidArgument(f"n: got {n}, expected >= 1 (results per request)")
+    return num_return_sequences if n is None else n
+
+
+def check_prompt_bound(request: RecRequest, limits: SearchLimits, tokenizer: Any) -> None:
+    """Refuse a `prompt` or `messages` that cannot fit `max_input_len`, before the BPE work
+    (the engine's validation counts the exact length of what passes): its text has at
+    least `tokenizer.min_num_tokens(text)` tokens. A chat is rendered for this only when
+    its contents alone could be too long. `tokenizer`: a `PromptTokenizer` or None."""
+    others = (request.token_ids, request.sparse_embedding)
+    if tokenizer is None or tokenizer.max_token_chars is None or any(x is not None for x in others):
+        return
+    prefix_len = len(limits.generation_prefix)
+    longest = (limits.max_input_len - prefix_len) * tokenizer.max_token_chars  # fits, surely
+    if isinstance(request.prompt, str) and request.messages is None:
+        field, text = "prompt", request.prompt
+    elif request.messages is not None and request.prompt is None \
+            and _content_chars(request.messages) > longest:
+        field, text = "messages", tokenizer.render_chat(request.messages)
+    else:
+        return
+    if len(text) <= longest:
+        return
+    num_tokens = tokenizer.min_num_tokens(text) + prefix_len
+    if num_tokens > limits.max_input_len:
+        raise InvalidArgument(
+            f"{field}: at least {num_tokens} positions"
+            f"{' (with the generation prefix)' if prefix_len else ''}, more than "
+            f"max_input_len={limits.max_input_len} ({len(text)} characters, no token longer "
+            f"than {tokenizer.max_token_chars})")
+
+
+def _content_chars(messages: Any) -> int:
+    """Characters of the messages' text contents (strings and text parts); others count 0."""
+    total = 0
+    for message in messages if isinstance(messages, (list, tuple)) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        parts = content if isinstance(content, list) else [content]
+        for part in parts:
+            text = part.get("text") if isinstance(part, dict) else part
+            total += len(text) if isinstance(text, str) else 0
+    return total
+
+
 def xllm_request(req: XllmRequest, request_id: str) -> RecRequest:
-    if req.stream:
-        raise InvalidArgument("stream: got true; streaming is not supported (a result is "
-                              "one short semantic ID)")
     if req.max_tokens is not None and req.max_tokens < 0:
         raise InvalidArgument(f"max_tokens: got {req.max_tokens}, expected >= 0 (it is ignored)")
     if isinstance(req.logprobs, int) and not isinstance(req.logprobs, bool) and req.logprobs < 0:
@@ -341,7 +413,8 @@ def xllm_request(req: XllmRequest, request_id: str) -> RecRequest:
         token_ids=req.token_ids, prompt=req.prompt or None,
         sparse_embedding=tensors.get("sparse_embedding"),
         decoder_context_embedding=tensors.get("decoder_context_embedding"),
-        beam_width=req.beam_width, top_k=top_k, num_return_sequences=req.num_return_sequences,
+        beam_width=req.beam_width, top_k=top_k,
+        num_return_sequences=num_results(req.n, req.num_return_sequences),
         normalize=req.normalize, return_items=req.return_items, timeout_ms=req.timeout_ms,
         request_id=request_id, **filters_of(req))
 

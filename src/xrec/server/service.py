@@ -26,6 +26,11 @@ Decisions where docs/serving.md leaves a choice (the routes' own are in `app.py`
   is dropped by the scheduler; a running batch finishes and the answer is dropped); it
   is counted as CANCELLED and answered 499 (which nobody reads). A client that goes
   away while sending its body: the same.
+- `stream: true` (xllm and chat routes): the engine's answer is awaited as for any request,
+  so every error keeps its JSON status, then written as server-sent events (stream.py).
+- A `prompt` / `messages` that cannot fit `max_input_len` is refused before it is
+  tokenized (`schemas.check_prompt_bound`): BPE on a prompt near 1 MiB takes most of a
+  second, and under THREAD_PARSE_BYTES it would run on the event loop.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from starlette.requests import ClientDisconnect
 
 from xrec.errors import (Cancelled, Internal, InvalidArgument, NotFound, PayloadTooLarge,
                          Unauthenticated, Unavailable, XrecError)
-from xrec.server import chat, schemas
+from xrec.server import chat, schemas, stream
 from xrec.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -125,6 +130,7 @@ class XrecService:
 
     async def complete(self, request: Request, api: str) -> Response:
         started, request_id, code = time.perf_counter(), None, "INTERNAL"
+        arrived = time.monotonic()   # the deadline (timeout_ms) counts from here
         self._loop = asyncio.get_running_loop()
         try:
             engine = self._engine_or_503()
@@ -132,17 +138,22 @@ class XrecService:
             if len(body) > THREAD_PARSE_BYTES:
                 async with self._big_parses:
                     parsed, request_id, future, input_len = await asyncio.to_thread(
-                        self._accept, engine, body, api)
+                        self._accept, engine, body, api, arrived)
             else:
                 self._hold_wakeups_this_iteration(engine)
-                parsed, request_id, future, input_len = self._accept(engine, body, api)
+                parsed, request_id, future, input_len = self._accept(engine, body, api, arrived)
             self.metrics.on_accepted(input_len)
             result = await self._await_answer(future, request)
             payload = self._payload(engine, api, parsed, result)
             headers = {"X-Request-Id": request_id}
             if result.catalog_version is not None:   # the catalog its batch ran on (admin.py)
                 headers["X-Catalog-Version"] = result.catalog_version
-            response = Response(_dumps(payload), media_type="application/json", headers=headers)
+            if getattr(parsed, "stream", None):   # the same answer as server-sent events
+                include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+                response = stream.sse_response(payload, api, include_usage, headers)
+            else:
+                response = Response(_dumps(payload), media_type="application/json",
+                                    headers=headers)
             code = "OK"
             return response
         except XrecError as e:
@@ -231,18 +242,21 @@ class XrecService:
             raise Unavailable("model is loading; retry shortly")
         return self.engine
 
-    def _accept(self, engine: EngineFrontend, body: bytes,
-                api: str) -> tuple[ParsedBody, str, Future, int]:
+    def _accept(self, engine: EngineFrontend, body: bytes, api: str,
+                arrived: float) -> tuple[ParsedBody, str, Future, int]:
         """Parse, check (prompts are tokenized here) and submit: (parsed body, request id,
-        the engine's future, input length)."""
+        the engine's future, input length). `arrived`: when the request reached the server
+        (`time.monotonic()`), where its deadline starts."""
         schema, convert = REQUEST_SHAPES[api]
         schemas.check_value_count(body, self.max_json_values)
         parsed = schemas.parse_body(body, schema)
         request_id = schemas.request_id_of(parsed)
         try:
             self._check_model(parsed.model)
-            valid = engine.validate(convert(parsed, request_id))
-            future = engine.submit_valid(valid, as_data=True)
+            request = convert(parsed, request_id)
+            schemas.check_prompt_bound(request, engine.limits, engine.tokenizer)  # before BPE
+            valid = engine.validate(request)
+            future = engine.submit_valid(valid, as_data=True, arrived_at=arrived)
         except XrecError as e:
             e.request_id = e.request_id or request_id
             raise
