@@ -20,16 +20,16 @@ from xrec.utils.files import atomic_directory, xrec_home
 
 DEMO_SIZE, DEMO_SEED, DEMO_ITEMS = "onerec-0.015b", 0, 100_000
 CATALOG_FILE = "items.bin"
-# decoder-only sizes: (regular BPE tokens, codes per semantic-ID level) of their vocabulary
-SID_VOCABULARIES = {"qwen3-sid-tiny": (151_643, 8192), "qwen3-sid-small": (151_643, 8192),
-                    "qwen3-sid-test": (512, 16)}
 
 
 def write_random_model(out_dir: str | os.PathLike, size: str, seed: int = 0, num_items: int = 100_000,
                        progress: bool = False, sizes: dict | None = None) -> Path:
     """Write a random model of a named size (from `sizes`, default `MODEL_SIZES`) and a random
-    catalog of `num_items` items."""
-    from xrec.catalog import random_catalog
+    catalog of `num_items` items. The weights are drawn in float32 and written in the
+    size's `torch_dtype` (`Engine.from_random` builds the same model in memory instead)."""
+    import torch
+
+    from xrec.catalog.sid_vocab import random_catalog_of_size, sid_layout_of, write_sid_tokenizer
     from xrec.model.loader import save_model
     from xrec.model.random_init import random_state_dict
 
@@ -39,23 +39,16 @@ def write_random_model(out_dir: str | os.PathLike, size: str, seed: int = 0, num
     if num_items < 0:
         raise ValueError(f"items: got {num_items}, expected >= 0")
     config = sizes[size]
+    layout = sid_layout_of(size, config.vocab_size)
     out = Path(out_dir)
-    save_model(out, config, random_state_dict(config, seed, progress=progress))
-    if size not in SID_VOCABULARIES:
-        if num_items:
-            random_catalog(num_items, config.vocab_size, seed).write(out / CATALOG_FILE)
-            (out / "tokenizer_config.json").write_text(json.dumps({"vocab_file": CATALOG_FILE}) + "\n")
-        return out
-    from xrec.catalog.sid_vocab import SidLayout, random_sid_catalog, write_sid_tokenizer
-
-    num_base, codebook = SID_VOCABULARIES[size]
-    layout = SidLayout(num_base_tokens=num_base, codebook_size=codebook)
-    if layout.vocab_size != config.vocab_size:  # the size table and the layout must agree
-        raise ValueError(f"size {size}: vocab_size {config.vocab_size} != the layout's {layout.vocab_size}")
+    save_model(out, config, random_state_dict(config, seed, progress=progress,
+                                              dtype=getattr(torch, config.torch_dtype)))
     if num_items:
-        random_sid_catalog(num_items, layout, seed).write(out / CATALOG_FILE)
-        (out / "tokenizer_config.json").write_text(json.dumps({"item_catalog": CATALOG_FILE}) + "\n")
-    write_sid_tokenizer(out, layout)   # keeps the item_catalog key
+        random_catalog_of_size(size, config.vocab_size, num_items, seed).write(out / CATALOG_FILE)
+        key = "vocab_file" if layout is None else "item_catalog"
+        (out / "tokenizer_config.json").write_text(json.dumps({key: CATALOG_FILE}) + "\n")
+    if layout is not None:
+        write_sid_tokenizer(out, layout)   # keeps the item_catalog key
     return out
 
 

@@ -114,6 +114,9 @@ class ConstraintTables:
     tokens[0]: [F] int64, offsets[0]: [2] = [0, F]
     tokens[1]: [P] int64, offsets[1]: [F + 1]   (P distinct (t0, t1) prefixes)
     tokens[2]: [U] int64, offsets[2]: [P + 1]   (U distinct triples)
+
+    The host-side facts (`max_children`, `root_run`) are known when the tables are built,
+    so a step over tables on any device never reads them back from it.
     """
 
     tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -121,6 +124,9 @@ class ConstraintTables:
     max_children: tuple[int, int, int]  # the longest segment at each depth, on the host
     vocab_size: int
     num_levels: int = NUM_LEVELS
+    # the root's children `tokens[0]` as the id range (low, high + 1) when they are one run of
+    # consecutive ids (OpenOneRec's `<s_a_*>`), else None; on the host
+    root_run: tuple[int, int] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -421,10 +427,13 @@ class ItemCatalog:
                          _csr_offsets(trie.parents[1], len(trie.tokens[0])),  # [F + 1]
                          _csr_offsets(trie.parents[2], len(trie.tokens[1])))  # [P + 1]
         max_children = tuple(int(np.diff(o).max()) if len(o) > 1 else 0 for o in level_offsets)
+        first = trie.tokens[0]   # sorted and unique: the ends say whether it is one run
+        is_run = len(first) > 0 and int(first[-1]) - int(first[0]) + 1 == len(first)
         return ConstraintTables(
             tokens=tuple(torch.as_tensor(t.astype(np.int64), device=device) for t in trie.tokens),
             offsets=tuple(torch.as_tensor(o, device=device) for o in level_offsets),
-            max_children=max_children, vocab_size=self._vocab_size)
+            max_children=max_children, vocab_size=self._vocab_size,
+            root_run=(int(first[0]), int(first[-1]) + 1) if is_run else None)
 
 
 def random_catalog(num_items: int, vocab_size: int, seed: int = 0) -> ItemCatalog:

@@ -22,11 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
-from xrec.catalog.items import ItemCatalog
+from xrec.catalog.items import ItemCatalog, random_catalog
 from xrec.catalog.formats import NUM_LEVELS, check_vocab_size
+from xrec.config.sizes import SID_VOCABULARIES
 
-__all__ = ["QWEN3_SPECIAL_TOKENS", "SidLayout", "build_sid_tokenizer", "random_sid_catalog",
-           "write_sid_tokenizer"]
+__all__ = ["QWEN3_SPECIAL_TOKENS", "SidLayout", "build_sid_tokenizer", "random_catalog_of_size",
+           "random_sid_catalog", "sid_layout_of", "write_sid_tokenizer"]
 
 QWEN3_SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -244,3 +245,24 @@ def random_sid_catalog(num_items: int, layout: SidLayout, seed: int = 0) -> Item
     codes = rng.integers(0, layout.codebook_size, size=(num_items, NUM_LEVELS))  # [n, 3]
     starts = np.array([layout.level_start(level) for level in range(NUM_LEVELS)])  # [3]
     return ItemCatalog(item_ids, (codes + starts).astype(np.int32), vocab_size)
+
+
+def sid_layout_of(size: str, vocab_size: int) -> SidLayout | None:
+    """The vocabulary layout of a named decoder-only size (`config.sizes.SID_VOCABULARIES`),
+    checked against the size's `vocab_size`; None for a size without one."""
+    if size not in SID_VOCABULARIES:
+        return None
+    num_base, codebook = SID_VOCABULARIES[size]
+    layout = SidLayout(num_base_tokens=num_base, codebook_size=codebook)
+    if layout.vocab_size != vocab_size:  # the size table and the layout must agree
+        raise ValueError(f"size {size}: vocab_size {vocab_size} != the layout's {layout.vocab_size}")
+    return layout
+
+
+def random_catalog_of_size(size: str, vocab_size: int, num_items: int, seed: int = 0) -> ItemCatalog:
+    """The random catalog `xrec make-model` writes for a named size: over the itemic tokens
+    of its layout (`random_sid_catalog`), or uniform over the vocabulary (`random_catalog`)."""
+    layout = sid_layout_of(size, vocab_size)
+    if layout is None:
+        return random_catalog(num_items, vocab_size, seed)
+    return random_sid_catalog(num_items, layout, seed)

@@ -32,8 +32,19 @@ MODEL_SIZES: dict[str, ModelConfig | QwenConfig] = {
     "qwen3-sid-small": _QWEN3_SID_TINY.replace(hidden_size=1024, intermediate_size=3072,
                                                num_hidden_layers=8, num_attention_heads=16,
                                                num_key_value_heads=8, head_dim=128),
+    # Qwen3-1.7B's shapes (Hugging Face Qwen/Qwen3-1.7B config.json) in OpenOneRec's vocabulary:
+    # NVIDIA sid-gr-inference's benchmark model; 1.77B parameters, bfloat16 as Qwen3 ships (3.5 GB)
+    "qwen3-sid-1.7b": _QWEN3_SID_TINY.replace(hidden_size=2048, intermediate_size=6144,
+                                              num_hidden_layers=28, num_attention_heads=16,
+                                              num_key_value_heads=8, head_dim=128,
+                                              rms_norm_eps=1e-6, torch_dtype="bfloat16"),
     # smoke tests: a 768-token vocabulary (512 base tokens, 3 x 16 itemic tokens)
     "qwen3-sid-test": _QWEN3_SID_TINY.replace(vocab_size=768, hidden_size=32, intermediate_size=64,
                                               num_hidden_layers=2, num_attention_heads=4,
                                               num_key_value_heads=2, head_dim=8),
 }
+# decoder-only sizes: (regular BPE tokens, codes per semantic-ID level) of their vocabulary,
+# OpenOneRec's layout (catalog/sid_vocab.py `SidLayout`)
+SID_VOCABULARIES: dict[str, tuple[int, int]] = {
+    "qwen3-sid-tiny": (151_643, 8192), "qwen3-sid-small": (151_643, 8192),
+    "qwen3-sid-1.7b": (151_643, 8192), "qwen3-sid-test": (512, 16)}

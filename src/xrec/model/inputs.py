@@ -6,7 +6,7 @@ uploads it to the device. Torch tensors, no requests.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,6 +34,14 @@ class ModelInputs:
     @property
     def num_requests(self) -> int:
         return len(self.lengths)
+
+    def to(self, device: torch.device) -> ModelInputs:
+        """The same inputs with their tensors on `device` (a non-blocking copy from pinned
+        memory); the host-side lists stay."""
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+        return replace(self, token_ids=move(self.token_ids), embeddings=move(self.embeddings),
+                       contexts=move(self.contexts))
 
     @property
     def is_ragged(self) -> bool:

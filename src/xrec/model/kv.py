@@ -10,6 +10,9 @@ from typing import Callable
 
 import torch
 
+# a pipeline's reusable buffers (`Workspace.take`): (name, shape, dtype) -> an uninitialised view
+Allocate = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
+
 
 @dataclass(frozen=True)
 class CrossKV:
@@ -49,7 +52,7 @@ class BeamKV:
 
     def __init__(self, num_layers: int, num_batch: int, num_beams: int, num_slots: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 allocate: Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor] | None = None):
+                 allocate: Allocate | None = None):
         """`allocate(name, shape, dtype)` supplies the two buffers (a pipeline's reusable
         workspace); by default they are fresh tensors."""
         shape = (num_layers, 2, num_batch * num_beams, max(num_slots, 1), num_kv_heads, head_dim)

@@ -18,7 +18,7 @@ from xrec.model.attention import (Attention, attend, attend_beams, merge_states,
                                   shared_stage, unshared_stage)
 from xrec.model.family import RecModel
 from xrec.model.inputs import ModelInputs
-from xrec.model.kv import BeamKV, CrossKV, PrefixKV
+from xrec.model.kv import Allocate, BeamKV, CrossKV, PrefixKV
 from xrec.model.layers import GatedFFN, Linear, RMSNorm, relative_position_bucket
 from xrec.model.moe import MoE
 
@@ -138,6 +138,9 @@ class Stack(nn.Module):
 class OneRecModel(RecModel):
     """Encoder-decoder with shared embedding, optional decoder MoE, tied or untied LM head."""
 
+    family = "onerec"
+    cpu_auto_bf16 = False   # "auto" stays float32 on CPUs until the bf16 gate is measured (issue 23)
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
@@ -157,12 +160,14 @@ class OneRecModel(RecModel):
             return self.shared.weight, self.config.d_model ** -0.5 if self.config.scale_decoder_outputs else 1.0
         return self.lm_head.weight, 1.0
 
-    def prefill(self, inputs: ModelInputs) -> tuple[torch.Tensor, EncoderDecoderContext]:
-        """Encoder, cross K/V and the causal pass over each request's decoder prefix."""
+    def prefill(self, inputs: ModelInputs, allocate: Allocate | None = None,
+                ) -> tuple[torch.Tensor, EncoderDecoderContext]:
+        """Encoder, cross K/V and the causal pass over each request's decoder prefix (its
+        K/V in `allocate`'s buffer when given)."""
         hidden, key_mask = self._encoder_input(inputs)
         cross = self.prepare_cross(self.encode(hidden, key_mask), key_mask)
         prefix, lengths, is_ragged = self._prefix(inputs)
-        last, prefix_kv = self.decode_prefix(prefix, lengths, is_ragged, cross)
+        last, prefix_kv = self.decode_prefix(prefix, lengths, is_ragged, cross, allocate)
         return last, EncoderDecoderContext(cross, prefix_kv)
 
     @classmethod
@@ -249,10 +254,11 @@ class OneRecModel(RecModel):
     # ---- decoder ---------------------------------------------------------
 
     def decode_prefix(self, prefix: torch.Tensor, lengths: torch.Tensor, is_ragged: bool,
-                      cross: CrossKV) -> tuple[torch.Tensor, PrefixKV]:
+                      cross: CrossKV, allocate: Allocate | None = None) -> tuple[torch.Tensor, PrefixKV]:
         """Causal decoder pass over the shared prefix `[B, P, D]` (BOS or context rows).
         Returns the hidden state of each request's last prefix position `[B, D]` and the
-        prefix K/V that every beam of the request will share."""
+        prefix K/V that every beam of the request will share (in `allocate`'s buffer when
+        given)."""
         num_batch, num_len = prefix.shape[:2]
         positions = torch.arange(num_len, device=prefix.device)
         relative = positions.unsqueeze(0) - positions.unsqueeze(1)        # [P, P] key - query
@@ -275,7 +281,12 @@ class OneRecModel(RecModel):
             hidden = block.layer[2](hidden)
         last = hidden[torch.arange(num_batch, device=prefix.device), lengths - 1]   # [B, D]
         last = self.decoder.final_layer_norm(last)
-        return last, PrefixKV(torch.stack(ks), torch.stack(vs), lengths, is_ragged)
+        if allocate is None:
+            return last, PrefixKV(torch.stack(ks), torch.stack(vs), lengths, is_ragged)
+        kv = allocate("prefix_kv", (2, len(ks), *ks[0].shape), ks[0].dtype)  # [2, layers, B, kvH, P, Dh]
+        torch.stack(ks, out=kv[0])
+        torch.stack(vs, out=kv[1])
+        return last, PrefixKV(kv[0], kv[1], lengths, is_ragged)
 
     def decode_step(self, token_ids: torch.Tensor, round_index: int, context: EncoderDecoderContext,
                     beams: BeamKV) -> torch.Tensor:

@@ -22,7 +22,7 @@ from xrec.model.attention import (attend, attend_beams, merge_states, padding_ma
                                   unshared_stage)
 from xrec.model.family import RecModel
 from xrec.model.inputs import ModelInputs
-from xrec.model.kv import BeamKV, PrefixKV
+from xrec.model.kv import Allocate, BeamKV, PrefixKV
 from xrec.model.layers import Linear, RMSNorm, SwiGLU
 from xrec.model.moe import SparseMoE
 from xrec.model.rope import apply_rope, rope_tables
@@ -89,6 +89,9 @@ class QwenBody(nn.Module):
 class QwenModel(RecModel):
     """A Qwen causal LM whose vocabulary holds itemic tokens, driven by the search."""
 
+    family = "qwen"
+    cpu_auto_bf16 = False   # "auto" stays float32 on CPUs until the bf16 gate is measured (issue 23)
+
     def __init__(self, config: QwenConfig):
         super().__init__()
         self.config = config
@@ -113,7 +116,8 @@ class QwenModel(RecModel):
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
 
-    def prefill(self, inputs: ModelInputs) -> tuple[torch.Tensor, PrefixKV]:
+    def prefill(self, inputs: ModelInputs, allocate: Allocate | None = None,
+                ) -> tuple[torch.Tensor, PrefixKV]:
         """Each prompt once, causally (right padding: a real position never sees a padded
         one). Returns the final hidden state of each prompt's last position `[B, D]` and
         the prompt K/V `[layers, B, kvH, L, Dh]` every beam of the request will share.
@@ -129,8 +133,9 @@ class QwenModel(RecModel):
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                     # [L, 1, Dh]
         lengths = torch.tensor(inputs.lengths, device=device)
         rows = torch.arange(num_batch, device=device)
-        kv = torch.empty((2, cfg.num_hidden_layers, num_batch, cfg.num_key_value_heads, num_len,
-                          cfg.head_dim), dtype=hidden.dtype, device=device)  # [2, layers, B, kvH, L, Dh]
+        shape = (2, cfg.num_hidden_layers, num_batch, cfg.num_key_value_heads, num_len, cfg.head_dim)
+        kv = torch.empty(shape, dtype=hidden.dtype, device=device) if allocate is None else \
+            allocate("prompt_kv", shape, hidden.dtype)                    # [2, layers, B, kvH, L, Dh]
         layers = self.model.layers
         for index, layer in enumerate(layers):
             attn, x = layer.self_attn, layer.input_layernorm(hidden)

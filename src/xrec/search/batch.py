@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, Sequence
 
 import numpy as np
@@ -46,6 +46,12 @@ class StepBatch:
     @property
     def num_requests(self) -> int:
         return len(self.beam_widths)
+
+    def to(self, device: torch.device) -> StepBatch:
+        """The batch with its tensors (inputs, filter tables) on `device`; the settings stay
+        on the host, where the step reads them."""
+        return replace(self, inputs=self.inputs.to(device),
+                       filters=None if self.filters is None else self.filters.to(device))
 
 
 def prepare_batch(requests: Sequence[SearchRequest], d_model: int, pin_memory: bool = False,

@@ -37,6 +37,15 @@ class StepOutput:
     num_results: list[int]
 
 
+@dataclass(frozen=True)
+class DeviceOutput:
+    """`StepOutput`'s tensors, still on the step's device (before the one copy back)."""
+
+    tokens: torch.Tensor          # [B, N, R] int64
+    scores: torch.Tensor          # [B, N] float32
+    token_logprobs: torch.Tensor  # [B, N, R] float32
+
+
 class RecStep:
     """Runs a `StepBatch` through the model and the constrained beam search.
 
@@ -59,14 +68,23 @@ class RecStep:
         self.is_narrow = [4 * c < vocab for c in tables.max_children] if tables is not None else []
         self.root_children = _root_children(tables) if tables is not None else None
 
-    @torch.inference_mode()
     def run(self, batch: StepBatch, workspace: Workspace | None = None,
             before_round: Callable[[int], None] | None = None) -> StepOutput:
-        """All rounds of `batch`. `workspace`: the calling pipeline's reusable buffers
-        (None: fresh buffers for this batch only). `before_round(r)` is called on the host
-        before round r (round 0 includes the prefill); what it raises stops the batch
-        there, between rounds. It reads no device value, so on CUDA it adds no
-        synchronisation: it stops the rounds not yet queued."""
+        """All rounds of `batch`, results on the host. `workspace`: the calling pipeline's
+        reusable buffers (None: fresh buffers for this batch only). `before_round(r)` is
+        called on the host before round r (round 0 includes the prefill); what it raises
+        stops the batch there, between rounds. It reads no device value, so on CUDA it adds
+        no synchronisation: it stops the rounds not yet queued."""
+        output = self.run_on_device(batch, workspace, before_round)
+        return _to_host(output, batch.num_results)
+
+    @torch.inference_mode()
+    def run_on_device(self, batch: StepBatch, workspace: Workspace | None = None,
+                      before_round: Callable[[int], None] | None = None) -> DeviceOutput:
+        """`run` without the copy back: the capturable part of a step (docs/beam-search.md,
+        Capturable step). No tensor value is read on the host: what the rounds decide
+        stays on the device, and every shape and branch follows from the batch's host-side
+        settings and the catalog's host-side facts (`ConstraintTables.max_children`)."""
         model, device = self.model, self.device
         num_batch = batch.num_requests
         widths = _widths(batch.beam_widths, device)
@@ -76,6 +94,7 @@ class RecStep:
             torch.tensor([t or 1.0 for t in batch.temperatures], device=device).view(-1, 1, 1)
         rows = _Rows(batch.full_rows, num_batch, device, temps)
         filters = None if batch.filters is None else batch.filters.to(device)
+        allocate = None if workspace is None else workspace.take
 
         nodes = torch.zeros((num_batch, 1), dtype=torch.long, device=device)
         scores = torch.zeros((num_batch, 1), device=device)
@@ -88,12 +107,11 @@ class RecStep:
             is_last = round_index == self.rounds - 1
             keep = num_out if is_last else num_beams
             if round_index == 0:
-                last, context = model.prefill(batch.inputs)                  # [B, D], shared state
+                last, context = model.prefill(batch.inputs, allocate)        # [B, D], shared state
                 step_hidden = last.unsqueeze(1)                            # [B, 1, D]
             else:
                 if beams is None:
-                    beams = model.new_beam_kv(num_batch, num_beams, self.rounds,
-                                              None if workspace is None else workspace.take)
+                    beams = model.new_beam_kv(num_batch, num_beams, self.rounds, allocate)
                 step_hidden = model.decode_step(tokens[:, :, -1], round_index, context,
                                                 beams)                     # [B, W, D]
             lp, cand_tokens, first = self._candidates(step_hidden, nodes, round_index, keep, rows,
@@ -113,7 +131,7 @@ class RecStep:
             if beams is not None and not is_last:
                 offsets = torch.arange(num_batch, device=device).unsqueeze(1) * num_beams
                 beams.reorder((parents + offsets).flatten(), num_written=round_index)
-        return _to_host(tokens, scores, logprobs, batch.num_results)
+        return DeviceOutput(tokens, scores, logprobs)
 
     def _candidates(self, hidden: torch.Tensor, nodes: torch.Tensor, level: int, keep: int,
                     rows: "_Rows", filters: SearchFilter | None,
@@ -190,11 +208,11 @@ class _Rows:
 def _root_children(tables: ConstraintTables) -> torch.Tensor | slice:
     """The root's children (every first token of the catalog), as a slice of the
     vocabulary when they are one run of consecutive ids (OpenOneRec's `<s_a_*>`):
-    their LM-head rows are then a view, not a 16 MB gather every batch."""
-    first = tables.tokens[0]
-    low, high = int(first[0]), int(first[-1])
-    is_run = high - low + 1 == len(first)   # sorted and unique: the ends say it all
-    return slice(low, high + 1) if is_run else first
+    their LM-head rows are then a view, not a 16 MB gather every batch. The tables
+    say so on the host (`root_run`): nothing is read back from the device."""
+    if tables.root_run is None:
+        return tables.tokens[0]
+    return slice(*tables.root_run)
 
 
 def _widths(values: list[int], device: torch.device) -> torch.Tensor | None:
@@ -204,9 +222,9 @@ def _widths(values: list[int], device: torch.device) -> torch.Tensor | None:
     return torch.tensor(values, device=device)
 
 
-def _to_host(tokens: torch.Tensor, scores: torch.Tensor, logprobs: torch.Tensor,
-             num_results: list[int]) -> StepOutput:
+def _to_host(output: DeviceOutput, num_results: list[int]) -> StepOutput:
     """One copy back per tensor; on CUDA, one wait on an event of the current stream only."""
+    tokens, scores, logprobs = output.tokens, output.scores, output.token_logprobs
     if tokens.device.type == "cuda":
         host = [t.to("cpu", non_blocking=True) for t in (tokens, scores, logprobs)]
         event = torch.cuda.Event()

@@ -1,7 +1,10 @@
 """A pipeline's reusable device buffers (the part of its workspace that outlives a batch).
 
 Grow-only, keyed by name: a batch takes views of the buffers; the next batch on
-the same pipeline reuses them. One `Workspace` per pipeline, never shared, so
+the same pipeline reuses them. The search keeps the beam K/V pair here (`beam_kv`,
+`beam_kv_next`) and the model its prefix or prompt K/V (`prefix_kv`, `prompt_kv`), so a
+batch no larger than an earlier one gets the same addresses (what a captured graph
+replays against). One `Workspace` per pipeline, never shared, so
 on CUDA every buffer is only ever used on that pipeline's stream (stream order
 makes reuse safe without `record_stream`).
 """
@@ -26,6 +29,10 @@ class Workspace:
             buffer = torch.empty(numel, dtype=dtype, device=self.device)
             self._buffers[(name, dtype)] = buffer
         return buffer[:numel].view(shape)
+
+    def addresses(self) -> dict[tuple[str, torch.dtype], int]:
+        """Each buffer's address (`data_ptr`), by name and dtype."""
+        return {key: buffer.data_ptr() for key, buffer in self._buffers.items()}
 
     @property
     def num_bytes(self) -> int:
