@@ -407,7 +407,8 @@ def test_resume_of_a_finished_run_says_there_is_nothing_to_do(tmp_path, model_di
     base = ["batch", "--input", str(source), "--output", str(out), "--model", str(model_dir),
             "--beam-width", "4", "--num-threads", "1", "--no-progress"]
     assert xrec_main(base) == 0
-    assert "5 rows (0 errors)" in capsys.readouterr().err
+    summary = capsys.readouterr().err
+    assert "5 rows (0 errors)" in summary and "rows/s, float32 -> " in summary   # the dtype serving
     assert xrec_main(base + ["--resume"]) == 0
     assert capsys.readouterr().err.splitlines() == [
         f"xrec batch: nothing to do: 5 rows already written -> {out}"]

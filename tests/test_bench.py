@@ -127,12 +127,24 @@ def test_breakdown_quick(home, tmp_path):
         assert sum(parts.values()) == pytest.approx(result["op_ms"], rel=0.05)
 
 
-def test_roofline_quick_both_families(home, tmp_path):
-    record = _run("roofline", tmp_path)
+def test_roofline_quick_both_families_and_dtypes(home, tmp_path):
+    """Each workload in each dtype, read against that dtype's fresh-process GEMM peak, the
+    higher of before and after (bfloat16 runs emulated where the CPU lacks it)."""
+    record = _run("roofline", tmp_path, "--dtypes", "float32,bfloat16")
     for when in ("before", "after"):
-        assert record["peaks"][when]["float32"]["flops_per_s"] > 0
-    assert [w["size"] for w in record["workloads"]] == ["tiny-mha", "qwen3-sid-test"]
+        for dtype in ("float32", "bfloat16"):
+            peak = record["peaks"][when][dtype]
+            assert peak["flops_per_s"] == max(peak["by_shape"].values()) > 0
+    assert [(w["size"], w["dtype"]) for w in record["workloads"]] == [
+        ("tiny-mha", "float32"), ("tiny-mha", "bfloat16"),
+        ("qwen3-sid-test", "float32"), ("qwen3-sid-test", "bfloat16")]
     for workload in record["workloads"]:
+        peaks = [record["peaks"][when][workload["dtype"]]["flops_per_s"] / 1e9
+                 for when in ("before", "after")]
+        assert workload["peak_gflop_per_s"] == pytest.approx(max(peaks))
+        assert workload["fraction_of_peak"] == pytest.approx(
+            workload["gflop_per_s"] / workload["peak_gflop_per_s"])
+        assert (workload["speedup_vs_float32"] is None) == (workload["dtype"] == "float32")
         components = workload["components"]
         assert sum(c["flop_share"] for c in components.values()) == pytest.approx(1.0)
         has_cross = workload["size"] == "tiny-mha"
@@ -143,6 +155,15 @@ def test_roofline_quick_both_families(home, tmp_path):
             assert components["cross K/V"]["gflop"] == 0.0
         assert len(workload["runs"]["step_ms"]) == len(workload["runs"]["reference_gflop_per_s"]) == 2
         assert 0 < workload["fraction_of_reference"] < 1 and 0 < workload["fraction_of_peak"] < 1
+    table = (tmp_path / next(p.name for p in tmp_path.iterdir() if p.suffix == ".md")).read_text()
+    assert "| tiny-mha W=8 L=16 B=2 | bfloat16 |" in table
+
+
+def test_roofline_dtypes_flag_is_checked(home, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["roofline", "--quick", "--out", str(tmp_path), "--dtypes", "float64"])
+    assert "expected comma-separated dtypes among float32, bfloat16, float16" in \
+        capsys.readouterr().err
 
 
 class _FakeServer(BaseHTTPRequestHandler):

@@ -337,6 +337,12 @@ def test_engine_option_refusals(changes, key, value):
     assert key in message and f"got {value}" in message, message
 
 
+def test_unknown_dtype_names_the_allowed_values():
+    with pytest.raises(ValueError, match=r"^option dtype: got 'fp64', allowed: 'auto', float32, "
+                                         r"bfloat16, float16$"):
+        EngineOptions(dtype="fp64")
+
+
 def test_engine_options_unknown_name():
     with pytest.raises(ValueError, match=r"unknown engine option.*'beam_with'"):
         EngineOptions.from_kwargs(beam_with=4)

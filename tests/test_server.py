@@ -190,6 +190,7 @@ def test_health_models_metrics(client):
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"]
     assert models["data"][0]["object"] == "model"
+    assert models["data"][0]["xrec"] == {"family": "onerec", "dtype": "float32"}   # what serves
     assert client.get("/v1/models/tiny").json()["id"] == "tiny"
     assert_error(client.get("/v1/models/other"), 404, "NOT_FOUND")
     assert_error(client.get("/no/such/path"), 404, "NOT_FOUND")
@@ -203,6 +204,7 @@ def test_health_models_metrics(client):
                  "xrec_workspace_bytes_total", "xrec_requests_total", "xrec_input_tokens_total"):
         assert f"\n{name}" in text, name
     assert 'xrec_requests_total{api="native",code="OK"}' in text
+    assert 'xrec_model_info{dtype="float32",family="onerec"} 1.0' in text
 
 
 def test_native_token_ids(client):

@@ -145,6 +145,48 @@ def test_eval_writes_table_predictions_and_plot(split, trained, tmp_path):
     assert (tmp_path / "eval.png").stat().st_size > 0 and (tmp_path / "eval.md").is_file()
 
 
+def test_eval_ranks_bf16_beside_fp32_with_their_agreement(split, trained, tmp_path):
+    """--dtype bfloat16: each model's bfloat16 rows beside its float32 ones, and how far
+    apart they are (issue 23's gate figures), in eval.json and eval.md."""
+    report = evaluate(split, [trained["qwen3"], trained["onerec"]], tmp_path,
+                      EvalOptions(beam_width=20, baselines=(), dtype="bfloat16"),
+                      progress=False, log=lambda *_: None)
+    names = list(report["metrics"])
+    models = [n for n in names if n.startswith("xrec") and "," not in n]
+    assert len(models) == 2 and set(report["agreement"]) == set(models)
+    for model in models:
+        assert names.index(model + ", bfloat16") > names.index(model)   # beside its float32 rows
+        assert model + ", bfloat16, seen removed" in names and model + ", bfloat16" in report["seconds"]
+        figures = report["agreement"][model]
+        assert figures["users"] == report["users"] and figures["row"] == model + ", bfloat16"
+        assert 0 <= figures["top1_equal"] <= 1 and 0 <= figures["top10_overlap"] <= 1
+        for metric in ("hr@10", "ndcg@10"):
+            difference = figures[f"{metric}_relative_difference"]
+            assert difference is None or abs(difference) <= 1, (metric, difference)
+        assert isinstance(figures["meets_gate"], bool)
+    assert json.loads((tmp_path / "eval.json").read_text())["agreement"] == report["agreement"]
+    assert "### bfloat16 against float32" in (tmp_path / "eval.md").read_text()
+    # "auto" is float32 on a CPU while the families' gate is unmeasured: nothing to compare
+    auto = evaluate(split, [trained["qwen3"]], tmp_path / "auto",
+                    EvalOptions(beam_width=20, baselines=(), dtype="auto"),
+                    progress=False, log=lambda *_: None)
+    assert auto["agreement"] == {} and not any("bfloat16" in n for n in auto["metrics"])
+
+
+def test_agreement_by_hand():
+    from xrec.realdata.evaluate.agreement import agreement
+    fp32 = np.array([[1, 2, 3, -1], [4, 5, 6, 7]])
+    bf16 = np.array([[1, 3, 9, -1], [5, 4, 6, 7]])
+    metrics = {"hr@10": 0.5, "ndcg@10": 0.25}
+    got = agreement(fp32, bf16, metrics, {"hr@10": 0.505, "ndcg@10": 0.2}, k=4)
+    assert got["top1_equal"] == 0.5 and got["top4_overlap"] == pytest.approx((2 / 4 + 4 / 4) / 2)
+    assert got["hr@10_relative_difference"] == pytest.approx(0.01)
+    assert got["ndcg@10_relative_difference"] == pytest.approx(-0.2) and not got["meets_gate"]
+    assert agreement(fp32, fp32, metrics, metrics, k=4)["hr@10_relative_difference"] == 0.0
+    with pytest.raises(ValueError, match="expected the same"):
+        agreement(fp32, bf16[:1], metrics, metrics, k=4)
+
+
 def test_killed_run_resumes_where_it_stopped(split, sid_dir, tmp_path):
     """A run killed (SIGKILL) after its first epoch, started again with the same options,
     ends with the weights of an uninterrupted run."""

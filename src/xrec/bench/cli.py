@@ -69,6 +69,15 @@ def _workloads(text: str) -> list[tuple[str, int, int, int]]:
     return workloads
 
 
+def _dtypes(text: str) -> list[str]:
+    allowed = ("float32", "bfloat16", "float16")
+    names = _names(text)
+    if not names or any(n not in allowed for n in names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated dtypes among "
+                                         f"{', '.join(allowed)}, got {text!r}")
+    return names
+
+
 def _names(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
@@ -95,8 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
         p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
         p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                       help="xrec's dtype (default: the engine's, float32 on CPU and bfloat16 "
-                            "on CUDA); hf and naive always run float32")
+                       help="xrec's dtype (default: the engine's 'auto': bfloat16 where the "
+                            "hardware has it natively and the family allows it, else float32); "
+                            "hf and naive always run float32")
         p.add_argument("--quick", action="store_true", help=f"tiny sizes ({QUICK_SIZE}, a few "
                        "requests): a smoke test in seconds")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -183,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--actor-cpus", type=float, default=None)
     batch.set_defaults(run=_run("batch"), repeats=1)
     roofline = sub.add_parser("roofline", help="FLOP/s against this machine's GEMM peak, per "
-                              "component (default: the issue-13 target workloads)")
+                              "component and dtype (default: the issue-13/23 target workloads)")
     common(roofline)
     roofline.add_argument("--workloads", type=_workloads, default=None,
                           help="comma-separated SIZE:W:L:B (default: onerec-0.1b:128:256:4, "
@@ -191,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
     roofline.add_argument("--sweep", action="store_true",
                           help="onerec-0.1b as W (64..512), L (256..1024) and the batch (1..8) "
                                "grow one at a time: does the fraction of peak hold?")
+    roofline.add_argument("--dtypes", type=_dtypes, default=None,
+                          help="comma-separated among float32, bfloat16, float16: each workload "
+                               "runs in each, against that dtype's GEMM peak (default: --dtype "
+                               "if given, else float32 and, where the device has it natively, "
+                               "bfloat16)")
     roofline.set_defaults(run=_run("roofline"), repeats=5)
     embedded = sub.add_parser("embedded", help="the engine in a host that runs its own torch "
                               "work: isolation thread vs process")

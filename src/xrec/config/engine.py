@@ -16,7 +16,8 @@ class EngineOptions:
     same names. `None` means "derived": see `resolve`."""
 
     device: str = "auto"                 # "auto" | "cpu" | "cuda" | "cuda:N"
-    dtype: str = "auto"                  # "auto" (float32 on CPU, bfloat16 on CUDA) | DTYPES
+    dtype: str = "auto"                  # "auto" (bfloat16 where native and the family allows
+                                         # it, else float32: xrec.model.dtype) | DTYPES
     max_concurrency: int | None = None   # pipelines; default 1 on CPU, 2 on CUDA
     max_seqs_per_batch: int = 64
     max_tokens_per_batch: int = 65536    # encoder + decoder-prefix tokens

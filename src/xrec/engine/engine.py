@@ -21,7 +21,8 @@ import torch
 
 from xrec.api_types import CatalogVersion, SearchLimits, ValidRequest
 from xrec.catalog import ItemCatalog
-from xrec.config import EngineOptions, FamilyConfig
+from xrec.catalog.sid_vocab import random_catalog_of_size
+from xrec.config import MODEL_SIZES, EngineOptions, FamilyConfig, read_model_config
 from xrec.engine.catalogs import CatalogSlots, ServedCatalog, serve_catalog
 from xrec.engine.executor import AnswerSettings, EngineBatch, Executor
 from xrec.engine.frontend import EngineFrontend, EngineStats, arrival_time
@@ -30,8 +31,11 @@ from xrec.engine.requests import BatchLimits, BatchReport, ScheduledRequest
 from xrec.engine.responses import ResponseData
 from xrec.engine.scheduler import FixedStepsScheduler
 from xrec.errors import InvalidArgument, Unavailable, XrecError
+from xrec.model.dtype import dtype_name, emulation_warning, resolve_dtype
 from xrec.model.family import RecModel
 from xrec.model.loader import load_model
+from xrec.model.random_init import random_model
+from xrec.model.registry import model_class
 from xrec.search.step import RecStep
 from xrec.search.workspace import WorkspaceModel
 from xrec.tokenizer import PromptTokenizer
@@ -72,9 +76,13 @@ class Engine(EngineFrontend):
         what option `retain_host_memory=True` asks for; a process that exists to serve
         calls `xrec.engine.host.own_process` once the engine is loaded."""
         self.model, self.options, self.model_name = model, options, model_name
+        self.dtype, self.family = dtype_name(model.dtype), model.family
         self.tokenizer = tokenizer
         config = model.config
         device = model.device
+        warning = emulation_warning(model.dtype, device)   # bfloat16 without native support
+        if warning:
+            logger.warning(warning)
         if device.type == "cpu" and options.retain_host_memory:
             retain_freed_memory()
         # fixed for the engine's life: a catalog loaded later constrains iff this one did
@@ -115,7 +123,7 @@ class Engine(EngineFrontend):
                                            self._closed, (scheduler.thread, *executor.threads))
         logger.info("engine ready: %s, %.1fM parameters, %s %s, %d pipeline(s), workspace %.1f MiB "
                     "each, catalog %s, options %s", model_name, config.num_parameters / 1e6, device,
-                    model.dtype, num_pipelines, self.workspace_per_pipeline / 2**20,
+                    self.dtype, num_pipelines, self.workspace_per_pipeline / 2**20,
                     catalog, options)
 
     @classmethod
@@ -134,6 +142,18 @@ class Engine(EngineFrontend):
         if isolation != "thread":
             raise ValueError(f"isolation: got {isolation!r}, allowed: thread, process")
         return cls(*load_parts(model_dir, catalog, EngineOptions.from_kwargs(**engine_options)))
+
+    @classmethod
+    def from_random(cls, size: str, seed: int = 0, num_items: int = 100_000,
+                    sizes: dict[str, FamilyConfig] | None = None, **engine_options: Any) -> Engine:
+        """An in-thread engine over a random model of a named size (`sizes`, default
+        `MODEL_SIZES`) and its random catalog, built in memory on the option `device` in
+        the option `dtype`: nothing is written or read (a 1.7B model on a GPU in seconds).
+        On a CPU the model and catalog equal those `xrec make-model` writes with `seed`
+        (in the size's dtype); on an accelerator the weights are drawn there
+        (`model.random_init.random_model`). No tokenizer: requests give token ids."""
+        return cls(*random_parts(size, seed, num_items, EngineOptions.from_kwargs(**engine_options),
+                                 sizes))
 
     # ---- requests ----------------------------------------------------------
 
@@ -258,7 +278,8 @@ class Engine(EngineFrontend):
         """What start-up logs and a process-isolated engine's parent show (plain values)."""
         model = self.model
         return {"limits": self.limits, "options": self.options, "model_name": self.model_name,
-                "config": model.config, "device": str(model.device), "dtype": str(model.dtype),
+                "config": model.config, "device": str(model.device), "dtype": self.dtype,
+                "family": self.family,
                 "num_parameters": sum(p.numel() for p in model.parameters()),
                 "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
                 "num_pipelines": self.num_pipelines,
@@ -334,9 +355,8 @@ def load_parts(model_dir: str | os.PathLike, catalog: str | os.PathLike | ItemCa
     """What an `Engine` is built from: the model, its catalog, options, name and tokenizer."""
 
     device = _resolve_device(options.device)
-    dtype = getattr(torch, options.dtype) if options.dtype != "auto" else \
-        (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    model = load_model(model_dir, device, dtype)
+    family = model_class(read_model_config(Path(model_dir) / "config.json"))
+    model = load_model(model_dir, device, resolve_dtype(options.dtype, device, family.cpu_auto_bf16))
     vocab = model.config.vocab_size
     if catalog is None:
         catalog = ItemCatalog.from_model_dir(model_dir, vocab)
@@ -344,6 +364,26 @@ def load_parts(model_dir: str | os.PathLike, catalog: str | os.PathLike | ItemCa
         catalog = ItemCatalog.read(catalog, vocab)
     tokenizer = PromptTokenizer.from_model_dir(model_dir)
     return model, catalog, options, Path(model_dir).resolve().name, tokenizer
+
+
+def random_parts(size: str, seed: int, num_items: int, options: EngineOptions,
+                 sizes: dict[str, FamilyConfig] | None = None,
+                 ) -> tuple[RecModel, ItemCatalog | None, EngineOptions, str, None]:
+    """`load_parts` for a random model of a named size, built in memory (`Engine.from_random`)."""
+    sizes = MODEL_SIZES if sizes is None else sizes
+    if size not in sizes:
+        raise ValueError(f"size: got {size!r}, allowed: {', '.join(sizes)}")
+    if num_items < 0:
+        raise ValueError(f"num_items: got {num_items}, expected >= 0")
+    config = sizes[size]
+    device = _resolve_device(options.device)
+    dtype = resolve_dtype(options.dtype, device, model_class(config).cpu_auto_bf16)
+    warning = emulation_warning(dtype, device)
+    if warning:
+        logger.warning(warning)
+    model = random_model(config, seed, device, dtype)
+    catalog = random_catalog_of_size(size, config.vocab_size, num_items, seed) if num_items else None
+    return model, catalog, options, f"random-{size}-seed{seed}", None
 
 
 def _resolve_device(name: str) -> torch.device:

@@ -49,6 +49,8 @@ class EngineFrontend:
     limits: SearchLimits
     options: EngineOptions
     model_name: str
+    dtype: str        # the dtype serving, resolved ("float32", "bfloat16"; option dtype "auto")
+    family: str       # the model family ("onerec", "qwen")
     tokenizer: PromptTokenizer | None
     num_pipelines: int
     workspace_per_pipeline: int

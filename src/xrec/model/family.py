@@ -3,19 +3,21 @@
 A family is one `RecModel` subclass: OneRec's encoder-decoder (`onerec.py`)
 or a decoder-only Qwen LM (`qwen.py`). `RecStep` drives every family the same way:
 
-    last, context = model.prefill(inputs)            # round 0: [B, D], shared state
+    last, context = model.prefill(inputs, allocate)  # round 0: [B, D], shared state
     hidden = model.decode_step(tokens, r, context, beams)   # round r >= 1: [B, W, D]
     model.logits / logits_logsumexp / candidate_logits      # the LM head
 
 `context` is the family's own per-request state (cross and prefix K/V, or the
-prompt K/V): the search passes it back without looking inside. `beams` is the
+prompt K/V): the search passes it back without looking inside. `allocate(name, shape,
+dtype)` is the pipeline's workspace (`search/workspace_buffers.py`): the prefix or prompt
+K/V, like the beam K/V, then sits at the same address for every batch of one shape. `beams` is the
 per-beam K/V (`BeamKV`) that the search reorders by parent after each round.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -23,16 +25,22 @@ from torch import nn
 
 from xrec.config import FamilyConfig
 from xrec.model.inputs import ModelInputs
-from xrec.model.kv import BeamKV
+from xrec.model.kv import Allocate, BeamKV
 from xrec.model.layers import linear
 
 _LOG2_E, _LN_2 = 1.0 / math.log(2.0), math.log(2.0)
 
 
 class RecModel(nn.Module):
-    """Base class of the model families: the search interface and the LM head."""
+    """Base class of the model families: the search interface and the LM head.
+
+    `family`: the family's name (metrics, logs). `cpu_auto_bf16`: whether dtype "auto"
+    may pick bfloat16 on a CPU with native bf16 (`xrec.model.dtype.resolve_dtype`); True
+    only once the family's bf16 quality gate held on a trained model (issue 23)."""
 
     config: FamilyConfig
+    family: ClassVar[str] = ""
+    cpu_auto_bf16: ClassVar[bool] = False
 
     # ---- what a family implements -------------------------------------------------
 
@@ -43,9 +51,10 @@ class RecModel(nn.Module):
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def prefill(self, inputs: ModelInputs) -> tuple[torch.Tensor, Any]:
+    def prefill(self, inputs: ModelInputs, allocate: Allocate | None = None) -> tuple[torch.Tensor, Any]:
         """Round 0 of a batch: the final hidden state of each request's last position
-        `[B, D]` and the family's shared per-request state for the decode rounds."""
+        `[B, D]` and the family's shared per-request state for the decode rounds (its
+        prefix or prompt K/V in `allocate`'s buffers when given, else fresh tensors)."""
         raise NotImplementedError
 
     def decode_step(self, token_ids: torch.Tensor, round_index: int, context: Any,
@@ -73,7 +82,8 @@ class RecModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.head_weight()[0].dtype
 
-    def new_beam_kv(self, num_batch: int, num_beams: int, rounds: int, allocate=None) -> BeamKV:
+    def new_beam_kv(self, num_batch: int, num_beams: int, rounds: int,
+                    allocate: Allocate | None = None) -> BeamKV:
         """The per-beam K/V of a batch (`allocate`: a pipeline's reusable workspace)."""
         layers, kv_heads, head_dim = self.config.beam_kv_shape
         return BeamKV(layers, num_batch, num_beams, rounds - 1, kv_heads, head_dim, self.dtype,

@@ -121,6 +121,7 @@ class BatchSummary:
     seconds: float
     output: str
     num_skipped: int = 0   # rows a resumed run found already written
+    dtype: str | None = None   # the dtype the engine ran in (None: no engine here, e.g. --ray)
 
     @property
     def rows_per_s(self) -> float:
@@ -406,7 +407,7 @@ def _pipeline(job: BatchJob, engine: EngineFrontend, info: InputInfo, identity: 
     if failures:
         raise failures[0]
     return BatchSummary(counts["rows"], counts["errors"], time.perf_counter() - started, str(out),
-                        done_rows)
+                        done_rows, engine.dtype)
 
 
 def _is_done_within(future: Future, timeout_s: float) -> bool:

@@ -109,8 +109,9 @@ def run_batch_command(args: argparse.Namespace) -> int:
         print(f"xrec batch: nothing to do: {done} -> {summary.output}", file=sys.stderr)
         return 0
     skipped = f", {summary.num_skipped} already written" if summary.num_skipped else ""
+    dtype = f", {summary.dtype}" if summary.dtype else ""
     print(f"xrec batch: {summary.num_rows} rows ({summary.num_errors} errors{skipped}) in "
-          f"{summary.seconds:.1f} s, {summary.rows_per_s:.1f} rows/s -> {summary.output}",
+          f"{summary.seconds:.1f} s, {summary.rows_per_s:.1f} rows/s{dtype} -> {summary.output}",
           file=sys.stderr)
     return 0
 

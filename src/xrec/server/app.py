@@ -142,5 +142,10 @@ def create_app(engine: EngineFrontend | None, *, served_model_name: str | None =
 
 
 def _model_card(service: XrecService) -> dict:
-    return {"id": service.model_name, "object": "model", "created": service.created,
+    """OpenAI's model object, plus `xrec`: the family and the dtype serving (once loaded)."""
+    card = {"id": service.model_name, "object": "model", "created": service.created,
             "owned_by": "xrec"}
+    engine = service.engine
+    if engine is not None:
+        card["xrec"] = {"family": engine.family, "dtype": engine.dtype}
+    return card

@@ -14,6 +14,9 @@ The served catalog (hot reload, `server/admin.py`) is read when scraped:
 the three without a catalog); `xrec_catalog_changes_total{action, code}` counts loads
 and restores through the admin routes by outcome.
 
+`xrec_model_info{family, dtype} 1` names the model family and the dtype serving (option
+`dtype` resolved: "auto" is float32 or bfloat16 by hardware).
+
 For alerts (ops/prometheus/xrec-alerts.yml): `xrec_ready` is 1 while the engine is loaded
 and takes new work (`EngineStats.is_serving`), 0 while loading, once a drain has closed
 the engine, or when its scheduler stopped; `xrec_request_queue_limit` and (with a default
@@ -151,6 +154,10 @@ class _EngineCollector(Collector):
                                 "else 0 (loading, closed by a drain, scheduler stopped)",
                                 value=float(stats is not None and stats.is_serving))
         if stats is not None:
+            info = GaugeMetricFamily("xrec_model_info", "The model serving (value 1): its "
+                                     "family and the dtype it runs in", labels=["family", "dtype"])
+            info.add_metric([engine.family, engine.dtype], 1.0)
+            yield info
             yield from _limit_gauges(engine.options)
             yield from _catalog_gauges(stats)
 

@@ -274,9 +274,9 @@ def _reserve_file_descriptors(max_connections: int) -> None:
 def _log_start(engine: EngineFrontend, name: str, host: str, port: int, has_key: bool,
                max_body_bytes: int, limits: ConnectionLimits) -> None:
     info = engine.describe()
-    logger.info("xrec serve: model %r (%s): %.2fM parameters, %.1f MiB of weights, catalog %s",
-                name, info["device"], info["num_parameters"] / 1e6,
-                info["weight_bytes"] / 2**20, info["catalog"])
+    logger.info("xrec serve: model %r (%s, %s, dtype %s): %.2fM parameters, %.1f MiB of "
+                "weights, catalog %s", name, info["family"], info["device"], info["dtype"],
+                info["num_parameters"] / 1e6, info["weight_bytes"] / 2**20, info["catalog"])
     logger.info("xrec serve: d_model=%d vocab_size=%d; %d pipeline(s), workspace %.1f MiB "
                 "per pipeline", info["config"].d_model, info["config"].vocab_size,
                 info["num_pipelines"], info["workspace_per_pipeline"] / 2**20)

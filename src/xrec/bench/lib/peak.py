@@ -1,14 +1,19 @@
-"""This machine's GEMM peak, measured in a fresh process: `python -m xrec.bench.lib.peak`.
+"""This machine's GEMM peak per dtype, measured in a fresh process: `python -m xrec.bench.lib.peak`.
 
 The roofline's denominator. A fresh process, because a process that already ran other
 torch work may hold OpenMP teams or allocator state that slow (or warm) the product.
-The peak is the best median FLOP/s over a few large shapes (square, and the tall-skinny
-shapes of a batch of positions times a projection), with the same intra-op thread count
-as the run it is compared with. `Gemm` is also the roofline's interleaved reference: the
-best shape's product timed between xrec's steps, so that a ratio is taken at one moment
-(a shared machine's GEMM rate drifts within minutes: docs/decisions.md, Roofline). bfloat16
-is measured where the device computes it natively (CUDA; a CPU with AVX512-BF16 or AMX),
-else reported as absent.
+For each dtype the peak is the best FLOP/s of any product over a few large shapes (square
+1024³ to 4096³, and the tall-skinny shapes of a batch of positions through a projection),
+with the same intra-op thread count as the run it is compared with: a product never runs
+faster than the machine can, so the best timing is the honest ceiling, and a slow one
+says only that a neighbour took the cores for a moment. Each shape gets two warm-up
+products, then up to `repeats` timed ones within `budget_s` (at least three), so the
+whole measurement takes seconds (two cores: ~8 s for float32, less for bfloat16).
+
+`Gemm` is also the roofline's interleaved reference: a mid-sized shape's product timed
+between xrec's steps (`reference_shape`). bfloat16 is measured by default where the device
+computes it natively (`xrec.model.dtype.native_bf16`: CUDA, a CPU with AMX-BF16 or
+AVX512-BF16); asked for elsewhere, it is measured emulated and marked `native: false`.
 """
 
 from __future__ import annotations
@@ -21,7 +26,12 @@ import sys
 import time
 
 # (m, k, n): square, and a few thousand positions through D -> 4D / 4D -> D projections
-SHAPES = ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 1024, 4096), (4096, 4096, 1024))
+SHAPES = ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 1024, 4096), (4096, 4096, 1024),
+          (4096, 4096, 4096))
+QUICK_SHAPES = ((1024, 1024, 1024),)
+# the interleaved reference's shape: the best of the shapes up to this many FLOPs (the
+# 4096³ product would add seconds around every timed step)
+REFERENCE_MAX_FLOPS = 2.0 * 4096 * 1024 * 4096
 
 
 class Gemm:
@@ -50,61 +60,88 @@ class Gemm:
         return time.perf_counter() - start
 
 
-def measure(device: str, dtype_name: str, threads: int | None, repeats: int = 9) -> dict:
-    """FLOP/s of each of SHAPES (median of `repeats` after two warm-up products) for
-    `dtype_name` on `device`, in this process; the peak is the best shape's."""
+def measure(device: str, dtype_name: str, threads: int | None, repeats: int = 7,
+            shapes: tuple[tuple[int, int, int], ...] = SHAPES, budget_s: float = 1.5) -> dict:
+    """For each of `shapes` in `dtype_name` on `device`, in this process: two warm-up
+    products, then `repeats` timed ones (fewer once `budget_s` is spent, never under
+    three); the best and the median FLOP/s per shape. The peak is the best of all."""
     import torch
+
+    from xrec.model.dtype import native_bf16
 
     if threads:
         torch.set_num_threads(threads)
-    by_shape = {}
-    for shape in SHAPES:
+    best, median = {}, {}
+    for shape in shapes:
         gemm = Gemm(shape, device, dtype_name)
-        times = [gemm.seconds() for _ in range(repeats + 2)][2:]
-        by_shape["x".join(map(str, shape))] = gemm.flops / statistics.median(times)
-    best = max(by_shape, key=by_shape.get)
-    return {"flops_per_s": by_shape[best], "shape": [int(v) for v in best.split("x")],
-            "by_shape": by_shape, "threads": torch.get_num_threads()}
+        gemm.seconds(), gemm.seconds()
+        times: list[float] = []
+        started = time.perf_counter()
+        while len(times) < repeats and (len(times) < 3 or time.perf_counter() - started < budget_s):
+            times.append(gemm.seconds())
+        key = "x".join(map(str, shape))
+        best[key], median[key] = gemm.flops / min(times), gemm.flops / statistics.median(times)
+    top = max(best, key=best.get)
+    return {"flops_per_s": best[top], "shape": _shape(top), "by_shape": best,
+            "median_by_shape": median, "threads": torch.get_num_threads(),
+            "native": dtype_name != "bfloat16" or native_bf16(device)}
 
 
-def has_native_bf16(device: str) -> bool:
-    """CUDA, or a CPU whose best kernels torch reports as AVX512 (BF16 and AMX ride on it)
-    and whose flags show avx512_bf16 or amx_bf16."""
-    import torch
-
-    if device.startswith("cuda"):
-        return True
-    if "AVX512" not in torch.backends.cpu.get_cpu_capability():
-        return False
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+def reference_shape(peak: dict) -> tuple[int, int, int]:
+    """The interleaved reference's product: the fastest shape of `peak` (a `measure`
+    result) of at most REFERENCE_MAX_FLOPS."""
+    small = {k: v for k, v in peak["by_shape"].items()
+             if 2.0 * _volume(_shape(k)) <= REFERENCE_MAX_FLOPS}
+    return _shape(max(small or peak["by_shape"], key=(small or peak["by_shape"]).get))
 
 
-def peaks_in_fresh_process(device: str, threads: int | None, repeats: int = 9,
-                           timeout_s: float = 600.0) -> dict:
-    """{"float32": {...}, "bfloat16": {...} or None}, measured by a child interpreter."""
-    command = [sys.executable, "-m", "xrec.bench.lib.peak", "--device", device, "--repeats", str(repeats)]
+def default_dtypes(device: str) -> list[str]:
+    """float32, and bfloat16 where `device` computes it natively."""
+    from xrec.model.dtype import native_bf16
+
+    return ["float32"] + (["bfloat16"] if native_bf16(device) else [])
+
+
+def peaks_in_fresh_process(device: str, threads: int | None, dtypes: list[str],
+                           repeats: int = 7, quick: bool = False,
+                           timeout_s: float = 600.0) -> dict[str, dict]:
+    """{dtype: `measure`'s result} for each of `dtypes`, measured by a child interpreter."""
+    command = [sys.executable, "-m", "xrec.bench.lib.peak", "--device", device,
+               "--repeats", str(repeats), "--dtypes", ",".join(dtypes)]
     if threads:
         command += ["--threads", str(threads)]
+    if quick:
+        command.append("--quick")
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"GEMM peak measurement failed: {done.stderr.strip()[-2000:]}")
     return json.loads(done.stdout)
 
 
+def _shape(key: str) -> tuple[int, int, int]:
+    m, k, n = (int(v) for v in key.split("x"))
+    return m, k, n
+
+
+def _volume(shape: tuple[int, int, int]) -> int:
+    m, k, n = shape
+    return m * k * n
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m xrec.bench.lib.peak", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m xrec.bench.lib.peak", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--dtypes", default=None, help="comma-separated (default: float32, and "
+                        "bfloat16 where the device has it natively)")
+    parser.add_argument("--quick", action="store_true", help="the 1024³ product only")
     args = parser.parse_args(argv)
-    peaks = {"float32": measure(args.device, "float32", args.threads, args.repeats),
-             "bfloat16": (measure(args.device, "bfloat16", args.threads, args.repeats)
-                          if has_native_bf16(args.device) else None)}
-    print(json.dumps(peaks))
+    dtypes = args.dtypes.split(",") if args.dtypes else default_dtypes(args.device)
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    print(json.dumps({dtype: measure(args.device, dtype, args.threads, args.repeats, shapes)
+                      for dtype in dtypes}))
     return 0
 
 

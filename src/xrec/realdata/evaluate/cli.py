@@ -2,6 +2,7 @@
 
     xrec eval --data {ml-1m,ml-100k,PATH} [--model DIR ...] [--out DIR] [--beam-width N]
               [--baselines most-popular,item-knn,sasrec] [--stage {test,valid}] [--exclude-seen]
+              [--dtype {float32,bfloat16,auto}]
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ __all__ = ["add_eval_parser"]
 
 
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:
-    from xrec.realdata.evaluate.run import BASELINES, EvalOptions
+    from xrec.realdata.evaluate.run import BASELINES, DTYPES, EvalOptions
 
     defaults = EvalOptions()
     ev = subparsers.add_parser(
@@ -34,10 +35,16 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                          "search: a row '<model>, seen excluded in search' beside "
                          "'<model>, seen removed' (removed after the search)")
     ev.add_argument("--normalize", choices=("allowed", "full"), default=defaults.normalize)
+    ev.add_argument("--dtype", choices=DTYPES, default=defaults.dtype,
+                    help="generative models rank in float32; bfloat16 (or auto, where the "
+                         "engine's 'auto' picks bfloat16 here) also ranks them in that dtype: "
+                         "rows '<model>, bfloat16' and their agreement with float32 (top-1 "
+                         "equal, top-10 overlap, HR@10 / NDCG@10 relative difference)")
     ev.add_argument("--baselines", default=",".join(defaults.baselines),
                     help=f"comma-separated among {', '.join(BASELINES)}, or 'none'")
     ev.add_argument("--sasrec-minutes", type=float, default=defaults.sasrec_minutes,
-                    help="SASRec's training time budget")
+                    help="cap SASRec's training at this many minutes (default: no cap; it "
+                         "trains to convergence, early stopping on validation HR@10)")
     ev.add_argument("--seed", type=int, default=defaults.seed)
     ev.add_argument("--no-progress", action="store_true")
     ev.set_defaults(run=run_eval)
@@ -59,7 +66,7 @@ def run_eval(args: argparse.Namespace) -> int:
         b.strip() for b in args.baselines.split(",") if b.strip())
     options = EvalOptions(stage=args.stage, beam_width=args.beam_width, normalize=args.normalize,
                           baselines=baselines, sasrec_minutes=args.sasrec_minutes, seed=args.seed,
-                          exclude_seen=args.exclude_seen)
+                          exclude_seen=args.exclude_seen, dtype=args.dtype)
     models = [Path(m) for m in args.model] or trained_models(run_dir(args.data))
     if not models and not baselines:
         raise ValueError("nothing to evaluate: no --model, no model under the run directory, "

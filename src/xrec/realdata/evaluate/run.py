@@ -4,7 +4,12 @@ published figures beside them; written as JSON, Markdown, a PNG and `predictions
 
 Seen items are removed from a generative model's W results after the search ("seen
 removed"), and with `exclude_seen` also excluded inside the search ("seen excluded in
-search": each user's history as the request's `exclude_items`)."""
+search": each user's history as the request's `exclude_items`).
+
+Generative models rank in float32; with `dtype` "bfloat16" (or "auto" where it resolves
+to bfloat16) also in that dtype: rows "<model>, bfloat16" beside the float32 ones, and
+their agreement (top-1 equality, top-10 overlap, HR@10 / NDCG@10 relative difference;
+evaluate/agreement.py)."""
 
 from __future__ import annotations
 
@@ -17,13 +22,16 @@ import numpy as np
 
 from xrec.realdata.data import Split
 from xrec.realdata.data.metrics import metrics_table, ranking_metrics, remove_seen
+from xrec.realdata.evaluate.agreement import agreement, agreement_table
 
 __all__ = ["EvalOptions", "PUBLISHED", "evaluate"]
 
 KS = (5, 10, 50)
 MIN_BEAM_WIDTH = 10                # HR@10, the headline metric, needs 10 items
 SEEN_REMOVED, SEEN_EXCLUDED = ", seen removed", ", seen excluded in search"   # row suffixes
+BF16_ROW = ", bfloat16"            # the suffix of a model's rows ranked in bfloat16
 BASELINES = ("most-popular", "item-knn", "sasrec")
+DTYPES = ("float32", "bfloat16", "auto")
 # meta-recsys/generative-recommenders README: raw ML-1M, 3,706 items, leave-one-out, full ranking
 PUBLISHED = {"ml-1m": {"SASRec (published)": {"hr@10": 0.2853, "ndcg@10": 0.1603},
                        "HSTU (published)": {"hr@10": 0.3097, "ndcg@10": 0.1720}}}
@@ -33,17 +41,22 @@ PUBLISHED = {"ml-1m": {"SASRec (published)": {"hr@10": 0.2853, "ndcg@10": 0.1603
 class EvalOptions:
     """`beam_width`: results per user of a generative model; below max(KS) = 50 its @50
     metrics are over at most W items (the report says so). `exclude_seen`: also rank each
-    generative model with the user's history excluded inside the search."""
+    generative model with the user's history excluded inside the search. `dtype`: besides
+    float32, rank each generative model in this dtype too ("auto": what the engine picks
+    here) and report how far it is from float32."""
 
     stage: str = "test"
     beam_width: int = 128
     normalize: str = "full"
     baselines: tuple[str, ...] = ("most-popular", "item-knn", "sasrec")
-    sasrec_minutes: float = 8.0
+    sasrec_minutes: float | None = None   # SASRec's wall-time cap (None: to convergence)
     seed: int = 0
     exclude_seen: bool = False
+    dtype: str = "float32"
 
     def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: got {self.dtype!r}, allowed: {', '.join(DTYPES)}")
         if self.beam_width < MIN_BEAM_WIDTH:
             raise ValueError(f"beam_width: got {self.beam_width}, expected >= {MIN_BEAM_WIDTH} "
                              f"(HR@{MIN_BEAM_WIDTH} needs that many items)")
@@ -51,6 +64,9 @@ class EvalOptions:
             raise ValueError(f"stage: got {self.stage!r}, expected 'valid' or 'test'")
         if self.normalize not in ("allowed", "full"):
             raise ValueError(f"normalize: got {self.normalize!r}, expected 'allowed' or 'full'")
+        if self.sasrec_minutes is not None and not self.sasrec_minutes > 0:
+            raise ValueError(f"sasrec_minutes: got {self.sasrec_minutes}, expected > 0 or None "
+                             f"(no cap)")
         unknown = set(self.baselines) - set(BASELINES)
         if unknown:
             raise ValueError(f"baselines: unknown {sorted(unknown)}, allowed: "
@@ -67,11 +83,14 @@ def evaluate(split: Split, model_dirs: list[Path], out_dir: Path, options: EvalO
     histories = [everyone[u] for u in users]
     k = max(KS)
     rows: dict[str, dict] = {}
+    training: dict[str, dict] = {}     # row -> epochs, best epoch, parameters, train seconds
     timings: dict[str, float] = {}
     rankings: dict[str, np.ndarray] = {}
+    agreements: dict[str, dict] = {}   # model -> its bfloat16 ranking against float32
     for model_dir in model_dirs:
         name = _model_name(model_dir)
-        passes = _rank_generative(split, model_dir, options, users, progress)
+        training[name] = _trained_model_facts(model_dir)
+        passes, _ = _rank_generative(split, model_dir, options, users, progress)
         ranked, timings[name] = passes[0]
         rankings[name] = _pad(ranked, k)            # [U, k]; -1 past the W results
         rows[name] = ranking_metrics(rankings[name], targets, KS)
@@ -80,13 +99,24 @@ def evaluate(split: Split, model_dirs: list[Path], out_dir: Path, options: EvalO
         if options.exclude_seen:
             excluded, timings[name + SEEN_EXCLUDED] = passes[1]
             rows[name + SEEN_EXCLUDED] = ranking_metrics(_pad(excluded, k), targets, KS)
-        for row in (name, name + SEEN_EXCLUDED):
+        if options.dtype != "float32":
+            other_passes, _ = _rank_generative(split, model_dir, options, users, progress,
+                                               options.dtype)
+            if other_passes:   # none where "auto" is float32 here: nothing to compare
+                row = name + BF16_ROW
+                other, timings[row] = other_passes[0]
+                rows[row] = ranking_metrics(_pad(other, k), targets, KS)
+                rows[row + SEEN_REMOVED] = ranking_metrics(remove_seen(other, histories, k),
+                                                           targets, KS)
+                agreements[name] = {"row": row, **agreement(rankings[name], _pad(other, k),
+                                                             rows[name], rows[row])}
+        for row in (name, name + SEEN_EXCLUDED, name + BF16_ROW):
             if row in timings:
                 log(f"{row}: HR@10 {rows[row]['hr@10']:.4f}, NDCG@10 {rows[row]['ndcg@10']:.4f} "
                     f"({timings[row]:.1f} s, {len(users) / timings[row]:.0f} users/s)")
     for name in options.baselines:
         started = time.perf_counter()
-        both = _rank_baseline(name, split, options, k, progress)
+        both, training[name] = _rank_baseline(name, split, options, k, progress)
         timings[name] = time.perf_counter() - started
         for exclude, ranked in zip((False, True), both):
             rows[name + (SEEN_REMOVED if exclude else "")] = \
@@ -94,7 +124,8 @@ def evaluate(split: Split, model_dirs: list[Path], out_dir: Path, options: EvalO
         log(f"{name}: HR@10 {rows[name]['hr@10']:.4f} ({timings[name]:.1f} s)")
     report = {"dataset": split.data.name, "stage": options.stage, "users": int(len(users)),
               "items": split.data.num_items, "options": _jsonable(options.__dict__),
-              "metrics": rows, "seconds": {n: round(t, 2) for n, t in timings.items()},
+              "metrics": rows, "training": training, "agreement": agreements,
+              "seconds": {n: round(t, 2) for n, t in timings.items()},
               "published": PUBLISHED.get(split.data.name, {}),
               "models": {_model_name(d): str(d) for d in model_dirs},
               "notes": _notes(options, bool(model_dirs))}
@@ -124,20 +155,27 @@ def _pad(ranked: np.ndarray, k: int) -> np.ndarray:
     return np.concatenate([ranked[:, :k], padding], axis=1)
 
 
-def _rank_generative(split, model_dir, options: EvalOptions, users,
-                     progress) -> list[tuple[np.ndarray, float]]:
+def _rank_generative(split, model_dir, options: EvalOptions, users, progress,
+                     dtype: str = "float32") -> tuple[list[tuple[np.ndarray, float]], str]:
     """(ranking [U, W], seconds) of the plain search, then, with `options.exclude_seen`, of
-    the search excluding each user's history. The engine is opened once, before both timed
-    passes."""
+    the search excluding each user's history; and the dtype the engine ran in. The engine
+    is opened once, before both timed passes. Another `dtype` than float32: the plain
+    search only, and none where the engine resolved it to float32."""
     from tqdm import tqdm
 
     from xrec.realdata.ranking import GenerativeRanker
 
-    ranker = GenerativeRanker.open(model_dir, split.data.num_items)
+    ranker = GenerativeRanker.open(model_dir, split.data.num_items, dtype=dtype)
+    resolved = ranker.engine.dtype
+    if dtype == "float32":
+        in_search_passes = (False, True) if options.exclude_seen else (False,)
+    else:   # the other dtype: the plain search, unless "auto" is float32 here
+        in_search_passes = (False,) if resolved != "float32" else ()
     passes = []
     try:
-        for in_search in (False, True) if options.exclude_seen else (False,):
-            desc = f"eval {Path(model_dir).name}" + (", seen excluded" if in_search else "")
+        for in_search in in_search_passes:
+            desc = f"eval {Path(model_dir).name}" + (", seen excluded" if in_search else "") + \
+                ("" if dtype == "float32" else f", {resolved}")
             with tqdm(total=len(users), desc=desc, unit="user", disable=not progress,
                       dynamic_ncols=True) as bar:
                 started = time.perf_counter()
@@ -147,27 +185,50 @@ def _rank_generative(split, model_dir, options: EvalOptions, users,
                 passes.append((ranked, time.perf_counter() - started))
     finally:
         ranker.close()
-    return passes
+    return passes, resolved
+
+
+def _trained_model_facts(model_dir: Path) -> dict:
+    """Epochs run, best epoch, parameters and training seconds from `xrec train`'s report
+    (empty for a directory without one, e.g. a model trained elsewhere)."""
+    path = Path(model_dir) / "train_report.json"
+    if not path.is_file():
+        return {}
+    report = json.loads(path.read_text())
+    return {"epochs": report["epochs_run"], "best_epoch": report["best"]["epoch"],
+            "parameters": report["parameters"],
+            "train_seconds": round(60 * report["train_minutes"], 1)}
 
 
 def _rank_baseline(name: str, split: Split, options: EvalOptions, k: int, progress: bool):
-    """(ranking with seen items, ranking without), each [num_users, k]."""
+    """((ranking with seen items, ranking without), each [num_users, k]; training facts:
+    epochs, best epoch, parameters and seconds for SASRec, none for the untrained ones)."""
     if name == "sasrec":
         from xrec.realdata.train.sasrec import SASRecConfig, rank_sasrec, train_sasrec
-        model = train_sasrec(split, SASRecConfig(seed=options.seed,
-                                                 max_seconds=60 * options.sasrec_minutes),
+        cap = None if options.sasrec_minutes is None else 60 * options.sasrec_minutes
+        model = train_sasrec(split, SASRecConfig(seed=options.seed, max_seconds=cap),
                              progress=progress)
+        logs = model.epoch_logs
+        validated = [log for log in logs if log.valid_hr10 is not None]
+        best = max(validated, key=lambda log: (log.valid_hr10, log.valid_ndcg10), default=None)
+        facts = {"epochs": len(logs), "best_epoch": best.epoch if best else len(logs),
+                 "parameters": sum(p.numel() for p in model.parameters()),
+                 "train_seconds": round(logs[-1].seconds, 1),
+                 "valid_hr@10": [round(log.valid_hr10, 4) for log in validated]}
         return (rank_sasrec(model, split, options.stage, k),
-                rank_sasrec(model, split, options.stage, k, exclude_seen=True))
+                rank_sasrec(model, split, options.stage, k, exclude_seen=True)), facts
     from xrec.realdata.data.baselines import rank_baseline
     return (rank_baseline(name, split, options.stage, k),
-            rank_baseline(name, split, options.stage, k, exclude_seen=True))
+            rank_baseline(name, split, options.stage, k, exclude_seen=True)), {}
 
 
 def _write(out_dir: Path, report: dict, split: Split, users, targets, rankings, model_dirs):
     rows = {**report["metrics"], **report["published"]}
     columns = ("hr@5", "hr@10", "ndcg@10", "hr@50", "ndcg@50")
-    table = metrics_table({n: {c: m.get(c) for c in columns} for n, m in rows.items()})
+    facts = ("epochs", "best_epoch", "parameters", "train_seconds")
+    table = metrics_table({n: {**{c: m.get(c) for c in columns},
+                               **{f: _training_cell(report["training"], n, f) for f in facts}}
+                           for n, m in rows.items()})
     (out_dir / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
     options = report["options"]
     timed = ", ".join(f"{n} {t:,.1f}" for n, t in report["seconds"].items())
@@ -176,7 +237,8 @@ def _write(out_dir: Path, report: dict, split: Split, users, targets, rankings, 
         f"## {report['dataset']}: {report['stage']} stage, {report['users']:,} users, ranking "
         f"over all {report['items']:,} items\n\n{table}\n\n"
         f"Generative models: beam width {options['beam_width']} = results per user, "
-        f"normalize={options['normalize']}. Seconds: {timed}.\n" + (f"\n{notes}" if notes else ""))
+        f"normalize={options['normalize']}. Seconds: {timed}.\n" + (f"\n{notes}" if notes else "")
+        + _agreement_section(report))
     item_ids, user_ids = split.data.item_ids, split.data.user_ids
     for index, ranked in enumerate(rankings.values()):
         path = out_dir / ("predictions.jsonl" if index == 0 else
@@ -187,6 +249,24 @@ def _write(out_dir: Path, report: dict, split: Split, users, targets, rankings, 
                                     "ranked": [item_ids[i] for i in row if i >= 0]}) + "\n")
     _plot(out_dir / "eval.png", report, model_dirs)
     print(table)
+
+
+def _agreement_section(report: dict) -> str:
+    """eval.md's bfloat16-against-float32 table (empty without bfloat16 rows)."""
+    if not report["agreement"]:
+        return ""
+    return ("\n### bfloat16 against float32 (the same users; gate: HR@10 and NDCG@10 within 1% "
+            "relative, top-10 overlap >= 0.95)\n\n"
+            + agreement_table(report["agreement"], report["metrics"], report["seconds"]) + "\n")
+
+
+def _training_cell(training: dict, row: str, fact: str) -> int | None:
+    """A row's training fact for the table (a "seen removed" or bfloat16 row is its
+    model's); whole seconds, so that the table prints it as a count."""
+    for suffix in (SEEN_REMOVED, SEEN_EXCLUDED, BF16_ROW):
+        row = row.removesuffix(suffix)
+    value = training.get(row, {}).get(fact)
+    return None if value is None else int(round(value))
 
 
 def _plot(path: Path, report: dict, model_dirs) -> None:
