@@ -7,7 +7,11 @@
   /proc/cpuinfo) **and** the family's `RecModel.cpu_auto_bf16` says its quality holds in
   bfloat16 (issue 23's gate: HR@10 and NDCG@10 within 1% of float32, top-10 overlap
   >= 0.95, on a trained model). Until a family's gate is measured its flag is False, so
-  "auto" on a CPU is float32.
+  "auto" on a CPU is float32. The environment variable `XREC_CPU_AUTO_DTYPE` (`float32` or
+  `bfloat16`) overrides what "auto" means on a CPU, for every family: an operator who wants
+  float32 everywhere without naming it in each command, and the test suite, whose
+  results must not depend on the machine it runs on (tests/conftest.py sets `float32`;
+  tests of bfloat16 name it).
 
 A bfloat16 asked for by name on hardware without it still runs (emulated, slow): the
 engine logs one warning (`emulation_warning`).
@@ -16,6 +20,7 @@ engine logs one warning (`emulation_warning`).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -23,6 +28,7 @@ from xrec.config.keys import DTYPES
 
 # /proc/cpuinfo flags of the x86 instructions that compute bfloat16 products natively
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+CPU_AUTO_DTYPE_ENV = "XREC_CPU_AUTO_DTYPE"
 
 
 def cpu_flags(cpuinfo: str) -> frozenset[str]:
@@ -70,6 +76,12 @@ def resolve_dtype(name: str, device: torch.device | str, cpu_auto_bf16: bool = F
     `RecModel.cpu_auto_bf16`); float32 otherwise. A name is taken as it is."""
     if name == "auto":
         device = torch.device(device)
+        forced = os.environ.get(CPU_AUTO_DTYPE_ENV) if cpuinfo is None else None
+        if device.type == "cpu" and forced:
+            if forced not in ("float32", "bfloat16"):
+                raise ValueError(f"{CPU_AUTO_DTYPE_ENV}: got {forced!r}, expected float32 or "
+                                 "bfloat16 (or unset)")
+            return getattr(torch, forced)
         is_bf16 = native_bf16(device, cpuinfo) and (device.type != "cpu" or cpu_auto_bf16)
         return torch.bfloat16 if is_bf16 else torch.float32
     if name not in DTYPES:

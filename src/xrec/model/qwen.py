@@ -90,7 +90,7 @@ class QwenModel(RecModel):
     """A Qwen causal LM whose vocabulary holds itemic tokens, driven by the search."""
 
     family = "qwen"
-    cpu_auto_bf16 = False   # "auto" stays float32 on CPUs until the bf16 gate is measured (issue 23)
+    cpu_auto_bf16 = True    # "auto" is bfloat16 on CPUs with native bf16: the gate held (docs/decisions.md)
 
     def __init__(self, config: QwenConfig):
         super().__init__()
