@@ -11,9 +11,10 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
+
+from test_isolation import _wait_gone
 
 from xrec.demo import write_random_model
 
@@ -45,14 +46,6 @@ def model_dir(tmp_path_factory):
     return write_random_model(tmp_path_factory.mktemp("tiny"), "tiny", seed=3, num_items=300)
 
 
-def _is_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return "\nState:\tZ" not in f.read()
-    except FileNotFoundError:
-        return False
-
-
 def _run_script(model_dir, isolation: str, how: str) -> tuple[int, str, int]:
     """(exit status, stderr, pid of the engine's pipelines' process) of SCRIPT."""
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(model_dir), isolation, how],
@@ -82,10 +75,7 @@ def test_exit_with_a_batch_running_keeps_the_scripts_status(model_dir, isolation
         assert "RuntimeError: the host failed" in stderr
     if how == "sigint":
         assert "KeyboardInterrupt" in stderr
-    deadline = time.monotonic() + WAIT_S
-    while _is_alive(pid) and time.monotonic() < deadline:   # the child of isolation="process"
-        time.sleep(0.05)
-    assert not _is_alive(pid)
+    assert _wait_gone(pid)   # the child of isolation="process"
 
 
 # `xrec serve` whose model "loads" for up to a minute: torch work on the loading thread.

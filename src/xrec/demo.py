@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from xrec.config import MODEL_SIZES
+from xrec.config.sizes import size_config
 from xrec.utils.files import atomic_directory, xrec_home
 
 DEMO_SIZE, DEMO_SEED, DEMO_ITEMS = "onerec-0.015b", 0, 100_000
@@ -33,12 +33,7 @@ def write_random_model(out_dir: str | os.PathLike, size: str, seed: int = 0, num
     from xrec.model.loader import save_model
     from xrec.model.random_init import random_state_dict
 
-    sizes = MODEL_SIZES if sizes is None else sizes
-    if size not in sizes:
-        raise ValueError(f"size: got {size!r}, allowed: {', '.join(sizes)}")
-    if num_items < 0:
-        raise ValueError(f"items: got {num_items}, expected >= 0")
-    config = sizes[size]
+    config = size_config(size, num_items, sizes)
     layout = sid_layout_of(size, config.vocab_size)
     out = Path(out_dir)
     save_model(out, config, random_state_dict(config, seed, progress=progress,

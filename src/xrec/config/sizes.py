@@ -48,3 +48,15 @@ MODEL_SIZES: dict[str, ModelConfig | QwenConfig] = {
 SID_VOCABULARIES: dict[str, tuple[int, int]] = {
     "qwen3-sid-tiny": (151_643, 8192), "qwen3-sid-small": (151_643, 8192),
     "qwen3-sid-1.7b": (151_643, 8192), "qwen3-sid-test": (512, 16)}
+
+
+def size_config(size: str, num_items: int, sizes: dict | None = None) -> ModelConfig | QwenConfig:
+    """The config of the named size (from `sizes`, default `MODEL_SIZES`) that a random model
+    with a catalog of `num_items` items is built from; ValueError for an unknown size or a
+    negative item count."""
+    sizes = MODEL_SIZES if sizes is None else sizes
+    if size not in sizes:
+        raise ValueError(f"size: got {size!r}, allowed: {', '.join(sizes)}")
+    if num_items < 0:
+        raise ValueError(f"num_items: got {num_items}, expected >= 0")
+    return sizes[size]

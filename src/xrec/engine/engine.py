@@ -22,7 +22,8 @@ import torch
 from xrec.api_types import CatalogVersion, SearchLimits, ValidRequest
 from xrec.catalog import ItemCatalog
 from xrec.catalog.sid_vocab import random_catalog_of_size
-from xrec.config import MODEL_SIZES, EngineOptions, FamilyConfig, read_model_config
+from xrec.config import EngineOptions, FamilyConfig, read_model_config
+from xrec.config.sizes import size_config
 from xrec.engine.catalogs import CatalogSlots, ServedCatalog, serve_catalog
 from xrec.engine.executor import AnswerSettings, EngineBatch, Executor
 from xrec.engine.frontend import EngineFrontend, EngineStats, arrival_time
@@ -370,12 +371,7 @@ def random_parts(size: str, seed: int, num_items: int, options: EngineOptions,
                  sizes: dict[str, FamilyConfig] | None = None,
                  ) -> tuple[RecModel, ItemCatalog | None, EngineOptions, str, None]:
     """`load_parts` for a random model of a named size, built in memory (`Engine.from_random`)."""
-    sizes = MODEL_SIZES if sizes is None else sizes
-    if size not in sizes:
-        raise ValueError(f"size: got {size!r}, allowed: {', '.join(sizes)}")
-    if num_items < 0:
-        raise ValueError(f"num_items: got {num_items}, expected >= 0")
-    config = sizes[size]
+    config = size_config(size, num_items, sizes)
     device = _resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device, model_class(config).cpu_auto_bf16)
     warning = emulation_warning(dtype, device)
