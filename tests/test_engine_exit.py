@@ -6,11 +6,13 @@ finalizes aborts the process ("terminate called without an active exception", 13
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 
 import pytest
 
@@ -48,20 +50,28 @@ def model_dir(tmp_path_factory):
 
 def _run_script(model_dir, isolation: str, how: str) -> tuple[int, str, int]:
     """(exit status, stderr, pid of the engine's pipelines' process) of SCRIPT."""
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(model_dir), isolation, how],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with _reaped([sys.executable, "-c", SCRIPT, str(model_dir), isolation, how]) as proc:
         line = proc.stdout.readline().split()
         assert line[:1] == ["busy"], proc.communicate(timeout=WAIT_S)
         assert int(line[1]) >= 1, "no batch was running: the exit was not exercised"
         if how == "sigint":
             proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=WAIT_S)
+    return proc.returncode, stderr, int(line[2])
+
+
+@contextlib.contextmanager
+def _reaped(command: list[str], **kwargs) -> Iterator[subprocess.Popen]:
+    """`command` running with its stdout and stderr piped; killed if still running when the
+    block ends (a failed assertion must not leave it behind)."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            **kwargs)
+    try:
+        yield proc
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    return proc.returncode, stderr, int(line[2])
 
 
 @pytest.mark.parametrize("isolation", ["thread", "process"])
@@ -103,16 +113,10 @@ SLOW_LOAD = textwrap.dedent("""
 def test_sigterm_while_the_model_loads_exits_0(model_dir, tmp_path):
     env = {**os.environ, "XREC_HOME": str(tmp_path / "home")}
     env.pop("XREC_API_KEY", None)
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_LOAD, str(model_dir)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with _reaped([sys.executable, "-c", SLOW_LOAD, str(model_dir)], env=env) as proc:
         assert proc.stdout.readline().strip() == "loading", proc.communicate(timeout=WAIT_S)
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=WAIT_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 0, stderr
     assert not any(word in stderr for word in ABORTED), stderr
     assert "stopped while the model was loading" in stderr
