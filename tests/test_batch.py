@@ -327,15 +327,21 @@ def test_resume_after_a_torn_write_writes_each_row_once(tmp_path, model_dir, eng
     assert not list(out.glob(".*tmp"))
 
 
+def _slow_batch(tmp_path, model_dir, seed: int) -> tuple[list, Path, list[str]]:
+    """(rows, output directory, command) of an `xrec batch` run of 300 rows in chunks of 2,
+    slow enough to be interrupted part way."""
+    rows = token_rows(300, seed=seed)
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out"
+    return rows, out, [sys.executable, "-m", "xrec", "batch", "--input", str(source), "--output",
+                       str(out), "--model", str(model_dir), "--beam-width", "4", "--chunk-rows",
+                       "2", "--num-threads", "1", "--no-progress"]
+
+
 def test_killed_run_resumes_where_it_stopped(tmp_path, model_dir, engine):
     """SIGKILL a real `xrec batch` once it has written a few chunks; --resume completes it;
     every row is written exactly once, with the records of an uninterrupted run."""
-    rows = token_rows(300, seed=2)
-    source = write_jsonl(tmp_path / "in.jsonl", rows)
-    out = tmp_path / "out"
-    command = [sys.executable, "-m", "xrec", "batch", "--input", str(source), "--output",
-               str(out), "--model", str(model_dir), "--beam-width", "4", "--chunk-rows", "2",
-               "--num-threads", "1", "--no-progress"]
+    rows, out, command = _slow_batch(tmp_path, model_dir, seed=2)
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
@@ -358,7 +364,7 @@ def test_killed_run_resumes_where_it_stopped(tmp_path, model_dir, engine):
     got = read_output(out)
     assert [r["id"] for r in got] == list(range(300))
     assert _manifest(out)["is_complete"]
-    reference = job(tmp_path, model_dir, source, out="ref", chunk_rows=2)
+    reference = job(tmp_path, model_dir, tmp_path / "in.jsonl", out="ref", chunk_rows=2)
     run_batch(reference, engine)
     assert got == read_output(tmp_path / "ref")
 
@@ -443,12 +449,7 @@ def test_ctrl_c_is_one_line_exit_130_and_the_run_resumes(tmp_path, model_dir, wh
     run with every row once. "loading": SIGINT once the first manifest is there (written
     before the engine loads: the signal lands before or while it loads), "running": once 3
     chunks are written."""
-    rows = token_rows(300, seed=3)
-    source = write_jsonl(tmp_path / "in.jsonl", rows)
-    out = tmp_path / "out"
-    command = [sys.executable, "-m", "xrec", "batch", "--input", str(source), "--output",
-               str(out), "--model", str(model_dir), "--beam-width", "4", "--chunk-rows", "2",
-               "--num-threads", "1", "--no-progress"]
+    rows, out, command = _slow_batch(tmp_path, model_dir, seed=3)
     process = subprocess.Popen(   # SIGINT at its default even where the test runner ignores it
         command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
