@@ -66,10 +66,18 @@ class Served:
     def url(self) -> str:
         return self.server.url
 
+    def post(self, path: str, body: dict) -> dict:
+        """The JSON answer of a request that must succeed."""
+        response = self.client.post(path, json=body)
+        assert response.status_code == 200, (path, body, response.text[:500])
+        return response.json()
 
-def _serve(model_dir: Path, **options):
+
+def _serve(model_dir: Path, serve=lambda engine: ServerThread(create_app(engine)), **options):
+    """`Served` for the model in `model_dir` with engine `options`; `serve` puts the engine
+    behind a server (default: plain uvicorn)."""
     engine = Engine.from_pretrained(model_dir, isolation="thread", device="cpu", **options)
-    server = ServerThread(create_app(engine))
+    server = serve(engine)
     client = httpx.Client(base_url=server.url, timeout=WAIT_S)
     try:
         yield Served(engine, server, client)

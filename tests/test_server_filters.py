@@ -18,7 +18,7 @@ every wait is bounded.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -28,10 +28,11 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 pytest.importorskip("tokenizers")
 
-from test_server import WAIT_S, ServerThread, assert_error  # noqa: E402
+from test_server import assert_error  # noqa: E402
+from test_server_decoder_only import Served, _serve  # noqa: E402
 from test_server_hostile import limited_server  # noqa: E402
 
-from xrec import Engine, InvalidArgument, RecRequest  # noqa: E402
+from xrec import InvalidArgument, RecRequest  # noqa: E402
 from xrec.catalog import ItemCatalog  # noqa: E402
 from xrec.demo import write_random_model  # noqa: E402
 from xrec.server import chat, openapi, schemas  # noqa: E402
@@ -40,32 +41,6 @@ NATIVE, XLLM, CHAT = "/v1/rec/completions", "/v1/completions", "/v1/chat/complet
 VOCAB, SID_VOCAB = 64, 768
 MAX_EXCLUDE_ITEMS = 100_000           # the engine option's default
 MESSAGES = [{"role": "user", "content": "What should I watch next?"}]
-
-
-@dataclass
-class Served:
-    """One engine behind a uvicorn server, and a client of it."""
-
-    engine: Engine
-    server: ServerThread
-    client: httpx.Client
-
-    def post(self, path: str, body: dict) -> dict:
-        response = self.client.post(path, json=body)
-        assert response.status_code == 200, (path, body, response.text[:500])
-        return response.json()
-
-
-def _serve(model_dir: Path, **options):
-    engine = Engine.from_pretrained(model_dir, isolation="thread", device="cpu", **options)
-    server = limited_server(engine)
-    client = httpx.Client(base_url=server.url, timeout=WAIT_S)
-    try:
-        yield Served(engine, server, client)
-    finally:
-        client.close()
-        server.stop()
-        engine.close(5)
 
 
 # ---- fixtures --------------------------------------------------------------------------
@@ -86,19 +61,19 @@ def typed_catalog(tiny_dir) -> ItemCatalog:
 
 @pytest.fixture(scope="module")
 def typed(tiny_dir, typed_catalog):
-    yield from _serve(tiny_dir, catalog=typed_catalog, max_input_len=64)
+    yield from _serve(tiny_dir, limited_server, catalog=typed_catalog, max_input_len=64)
 
 
 @pytest.fixture(scope="module")
 def sid(tmp_path_factory):
     model_dir = write_random_model(tmp_path_factory.mktemp("sid") / "sid", "qwen3-sid-test", 0,
                                    2000)
-    yield from _serve(model_dir, generation_prefix="<|sid_begin|>")
+    yield from _serve(model_dir, limited_server, generation_prefix="<|sid_begin|>")
 
 
 @pytest.fixture(scope="module")
 def bare(tiny_dir):
-    yield from _serve(tiny_dir, constrained=False, max_input_len=64)
+    yield from _serve(tiny_dir, limited_server, constrained=False, max_input_len=64)
 
 
 # ---- helpers ---------------------------------------------------------------------------
