@@ -186,8 +186,11 @@ class Executor:
                                            SearchFilter.of(filters, served.trie_sizes, is_pinned)
                                            if any(filters) else None)
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    output = served.step.run(step_batch, workspace,
-                                             lambda r: self._before_round(batch, r))
+                    deadlines = [r.deadline for r in batch.requests]
+                    last_deadline = None if None in deadlines else max(deadlines)
+                    output = served.step.run(
+                        step_batch, workspace,
+                        lambda r: self._before_round(batch.catalog.step.rounds, last_deadline, r))
                 run_ms = ms(self.clock() - started)
                 settings = self.answers
                 done = response_data(output, requests, served.catalog,
@@ -209,16 +212,15 @@ class Executor:
         return BatchReport(batch.num_requests, batch.num_beams, finished - started, queue_s,
                            finished, answers, error)
 
-    def _before_round(self, batch: EngineBatch, round_index: int) -> None:
+    def _before_round(self, rounds: int, last_deadline: float | None, round_index: int) -> None:
         """Between rounds: stop the batch when the engine closes or when every request in
-        it has passed its deadline (on time is up to and including the deadline)."""
-        rounds = batch.catalog.step.rounds
+        it has passed its deadline, i.e. `last_deadline`, the latest of them (None: one has
+        none); on time is up to and including the deadline."""
         if self._is_stopping.is_set():
             raise _Stopped(Unavailable(f"engine closed: the batch stopped before round "
                                        f"{round_index + 1} of {rounds}"))
-        deadlines = [r.deadline for r in batch.requests]
-        if None not in deadlines:
-            late_s = self.clock() - max(deadlines)
+        if last_deadline is not None:
+            late_s = self.clock() - last_deadline
             if late_s > 0:
                 raise _Stopped(DeadlineExceeded(
                     f"deadline passed {round(1000.0 * late_s, 3)} ms ago: the batch stopped "
