@@ -1,4 +1,4 @@
-"""The whole suite: dtype "auto" pinned to float32 on CPUs (below).
+"""The whole suite: dtype "auto" pinned to float32 on CPUs, and fixed thread counts (below).
 
 Under `make mutate` only: each mutant runs the tests of its own module, fastest first.
 
@@ -22,6 +22,9 @@ from pathlib import Path
 # results do not depend on whether the machine has native bfloat16 (xrec.model.dtype); the
 # tests of bfloat16 name it. Kept if the caller set it.
 os.environ.setdefault("XREC_CPU_AUTO_DTYPE", "float32")
+# Thread counts stay as configured whatever the machine's load (xrec.engine.threads), so that
+# results do not depend on what else the machine runs; the tests of adaptive threads turn it on.
+os.environ.setdefault("XREC_ADAPTIVE_THREADS", "0")
 
 STATS = Path("mutmut-stats.json")   # mutmut runs the tests inside mutants/
 # mutant name prefix -> the test files that speak for that module

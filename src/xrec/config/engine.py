@@ -39,6 +39,9 @@ class EngineOptions:
     generation_prefix: str | tuple[int, ...] | None = None   # decoder-only: appended to every
                                          # prompt (text, tokenized; or ids), e.g. "<|sid_begin|>"
     num_threads: int | None = None       # CPU intra-op threads in all; default: all cores
+    adaptive_threads: bool | None = None  # CPU: fewer threads while other processes take cores
+                                         # (engine/threads.py); None: on unless
+                                         # XREC_ADAPTIVE_THREADS=0
     retain_host_memory: bool | None = None   # CPU: freed memory stays mapped for the next batch
                                          # (glibc thresholds, process-wide; engine/host.py). None:
                                          # in processes that exist to serve (xrec serve, xrec

@@ -116,7 +116,8 @@ class Engine(EngineFrontend):
                                  None if tokenizer is None else tokenizer.tokens_text)
         self.executor = executor = Executor(
             model, num_pipelines, threads, answers,
-            functools.partial(_batch_done, scheduler, self._report_hooks, answers_as_data))
+            functools.partial(_batch_done, scheduler, self._report_hooks, answers_as_data),
+            options.adaptive_threads)
         self.num_pipelines = num_pipelines
         self._closed = threading.Event()
         scheduler.start()
@@ -301,7 +302,8 @@ class Engine(EngineFrontend):
                            scheduler.num_running_batches,
                            self.workspace_per_pipeline * self.num_pipelines,
                            executor.workspace_bytes_in_use, self.catalog_version,
-                           not self._closed.is_set() and scheduler.is_running)
+                           not self._closed.is_set() and scheduler.is_running,
+                           executor.cpu_threads)
 
 
 def _batch_done(scheduler: FixedStepsScheduler, hooks: list[Callable[[BatchReport], None]],

@@ -29,7 +29,7 @@ import torch
 from xrec.engine.catalogs import ServedCatalog
 from xrec.engine.requests import BatchReport, ScheduledBatch
 from xrec.engine.responses import ResponseData, ms, response_data
-from xrec.engine.threads import use_threads_in_this_thread
+from xrec.engine.threads import FollowFreeCores
 from xrec.errors import DeadlineExceeded, Internal, Unavailable, XrecError
 from xrec.model.family import RecModel
 from xrec.search.batch import prepare_batch
@@ -63,7 +63,8 @@ class AnswerSettings:
 
 class Executor:
     """Runs launched batches on `num_pipelines` worker threads, each with
-    `threads_per_pipeline` intra-op threads on a CPU (None: torch's default).
+    `threads_per_pipeline` intra-op threads on a CPU (None: torch's default), fewer while
+    other processes take cores (`adaptive_threads`, engine/threads.py `FollowFreeCores`).
 
     Test seams: `fault` (called with the batch before it runs; may raise) and `clock`
     (the time base of deadlines and of when a batch's answers are ready: the scheduler's).
@@ -72,9 +73,11 @@ class Executor:
 
     def __init__(self, model: RecModel, num_pipelines: int, threads_per_pipeline: int | None,
                  answers: AnswerSettings,
-                 on_done: Callable[[EngineBatch, BatchReport[ResponseData]], None]):
+                 on_done: Callable[[EngineBatch, BatchReport[ResponseData]], None],
+                 adaptive_threads: bool | None = None):
         self.model, self.answers, self.on_done = model, answers, on_done
         self.threads_per_pipeline = threads_per_pipeline
+        self.adaptive_threads = adaptive_threads
         self.fault: Callable[[EngineBatch], None] | None = None
         self.clock: Callable[[], float] = time.monotonic
         self._work: queue.SimpleQueue = queue.SimpleQueue()
@@ -83,6 +86,7 @@ class Executor:
         self._busy_lock = threading.Lock()
         self._num_rounds_run = 0
         self._is_stopping = threading.Event()   # close(): batches stop at their next round
+        self._cores: list[FollowFreeCores] = []   # each CPU pipeline's, appended by its thread
         device = model.device
         self._pipelines = [threading.Thread(target=self._serve, args=(device,),
                                             name=f"xrec-pipeline-{index}", daemon=True)
@@ -98,6 +102,11 @@ class Executor:
     def threads(self) -> tuple[threading.Thread, ...]:
         """The pipelines' worker threads."""
         return tuple(self._pipelines)
+
+    @property
+    def cpu_threads(self) -> int:
+        """The intra-op threads the CPU pipelines run their batches on now (0 on a GPU)."""
+        return sum(cores.current for cores in list(self._cores))
 
     @property
     def num_rounds_run(self) -> int:
@@ -139,20 +148,27 @@ class Executor:
                              STOP_WAIT_S)
 
     def _serve(self, device: torch.device) -> None:
+        cores = None
         if self.threads_per_pipeline:
-            use_threads_in_this_thread(self.threads_per_pipeline)
+            cores = FollowFreeCores(self.threads_per_pipeline, len(self._pipelines),
+                                    self.adaptive_threads)
+            cores.follow()
+            self._cores.append(cores)
         # Each pipeline owns its stream; everything of a batch is queued on it.
         stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         workspace = Workspace(device)  # this pipeline's reusable buffers, used on its stream only
-        while self._serve_one(stream, workspace):
+        while self._serve_one(stream, workspace, cores):
             pass
 
-    def _serve_one(self, stream: torch.cuda.Stream | None, workspace: Workspace) -> bool:
+    def _serve_one(self, stream: torch.cuda.Stream | None, workspace: Workspace,
+                   cores: FollowFreeCores | None) -> bool:
         """Run the next batch (False: close). Its catalog is referenced by this frame only,
         so it is let go when the batch is done (a catalog load waits for that)."""
         batch = self._work.get()
         if batch is None:
             return False
+        if cores is not None:
+            cores.follow()
         with self._busy_lock:
             self._busy += 1
             self._bytes_in_use += batch.workspace_bytes

@@ -40,6 +40,7 @@ class EngineStats:
     workspace_bytes_in_use: int        # the estimate of the batches running now
     catalog_version: CatalogVersion | None   # the catalog new batches run on
     is_serving: bool = True            # takes new work: not closed, its scheduler running
+    cpu_threads: int = 0               # CPU intra-op threads of all pipelines now (0: GPU)
 
 
 class EngineFrontend:

@@ -13,7 +13,10 @@ libtorch_cpu so that they are the copies torch itself uses.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterator
+from contextlib import contextmanager
 import logging
+import os
 from functools import cache
 from pathlib import Path
 
@@ -57,3 +60,58 @@ def _thread_local_setters() -> tuple | None:
     for setter in setters:
         setter.argtypes, setter.restype = [ctypes.c_int], None
     return tuple(setters)
+
+
+ADAPTIVE_ENV = "XREC_ADAPTIVE_THREADS"
+
+
+def adaptive_by_default() -> bool:
+    """Whether thread counts follow the free cores when not said: yes, unless the
+    environment variable XREC_ADAPTIVE_THREADS is 0/false/off (the test suite sets it, so
+    that results do not depend on the machine's load)."""
+    return os.environ.get(ADAPTIVE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class FollowFreeCores:
+    """One thread's intra-op threads, following the cores other processes leave free.
+
+    A team of 2 OpenMP threads on 2 cores, one of them busy with another process, waits at
+    every parallel region for its descheduled partner: training steps ran 4x slower than on
+    one thread (docs/decisions.md, CPU threads under contention). So before each unit of work
+    (a batch, a training step) `follow()` sets this thread's count to `wanted`, or to its
+    `sharers`-th part of the free cores when fewer are free, at least 1. `adaptive=False`
+    keeps `wanted` whatever the load; None: `adaptive_by_default()`."""
+
+    def __init__(self, wanted: int, sharers: int = 1, adaptive: bool | None = None):
+        from xrec.utils.cpu_share import cpu_share
+
+        self.wanted, self.sharers = wanted, sharers
+        if adaptive is None:
+            adaptive = adaptive_by_default()
+        self.share = cpu_share() if adaptive else None
+        self.current = 0
+
+    def follow(self) -> int:
+        """Set this thread's count for the next unit of work; returns it."""
+        count = self.wanted
+        if self.share is not None:
+            count = min(count, max(1, self.share.free_cores() // self.sharers))
+        use_threads_in_this_thread(count)   # always: a loop's own calls may have changed it
+        self.current = count
+        return count
+
+
+@contextmanager
+def training_threads(threads: int | None,
+                     adaptive: bool | None = None) -> Iterator[FollowFreeCores]:
+    """This thread's intra-op threads for a training loop that calls `follow()` before each
+    step: `threads` (default: torch's), fewer while other processes take cores (`adaptive`,
+    as in `FollowFreeCores`); torch's count and this thread's are as before afterwards."""
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield FollowFreeCores(threads or previous, adaptive=adaptive)
+    finally:
+        torch.set_num_threads(previous)
+        use_threads_in_this_thread(previous)

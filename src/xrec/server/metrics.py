@@ -134,6 +134,8 @@ ENGINE_GAUGES = {
                                    lambda s: s.workspace_bytes_total),
     "xrec_workspace_bytes_in_use": ("Workspace estimate of the batches running now",
                                     lambda s: s.workspace_bytes_in_use),
+    "xrec_cpu_threads": ("CPU intra-op threads of all pipelines now (fewer while other "
+                         "processes take cores; 0 on a GPU)", lambda s: s.cpu_threads),
 }
 
 

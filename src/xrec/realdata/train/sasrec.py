@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from xrec.engine.threads import FollowFreeCores, training_threads
 from xrec.realdata.data.interactions import DataError, Split
 
 __all__ = ["EpochLog", "SASRecConfig", "SASRecModel", "rank_sasrec", "train_sasrec"]
@@ -317,16 +318,12 @@ def train_sasrec(split: Split, config: SASRecConfig, progress: bool = True,
     seqs = [s for s in split.train if len(s) >= 2]
     if not seqs:
         raise DataError("SASRec: no user has 2 or more training interactions")
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(config.num_threads)
-    try:
-        return _train(split, seqs, config, progress, valid_every)
-    finally:
-        torch.set_num_threads(previous_threads)
+    with training_threads(config.num_threads) as cores:
+        return _train(split, seqs, config, progress, valid_every, cores)
 
 
 def _train(split: Split, seqs: list[np.ndarray], config: SASRecConfig, progress: bool,
-           valid_every: int) -> SASRecModel:
+           valid_every: int, cores: FollowFreeCores) -> SASRecModel:
     torch.manual_seed(config.seed)
     rng = np.random.default_rng(config.seed)
     model = SASRecModel(split.data.num_items, config).to(config.device)
@@ -346,6 +343,7 @@ def _train(split: Split, seqs: list[np.ndarray], config: SASRecConfig, progress:
                    disable=not progress, leave=False, unit="batch")
         epoch_started = time.perf_counter()
         for rows in bar:
+            cores.follow()
             batch = torch.from_numpy(_trimmed(windows[rows])).to(config.device)
             inputs, targets = batch[:, :-1], batch[:, 1:] - 1         # [B, L] each
             is_trained = inputs > 0                                   # target is an item too
