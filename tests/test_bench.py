@@ -5,6 +5,7 @@ hand-checked inputs. Timings are never asserted."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -230,6 +231,114 @@ def test_embedded_quick_writes_its_table(home, tmp_path):
     transport = record["transport"]
     assert transport["thread_p50_ms"] > 0 and transport["process_p50_ms"] > 0
     assert files[".md"].read_text().startswith("## xrec bench embedded")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the neighbour takes one of 2+ CPUs")
+def test_contention_quick_measures_both_policies_beside_a_neighbour(home, tmp_path):
+    """Each measurement in a fresh process, idle and beside a spinning neighbour, for both
+    thread policies; ratios read against the fixed policy's idle throughput."""
+    assert main(["contention", "--quick", "--out", str(tmp_path), "--no-progress",
+                 "--workloads", "serve"]) == 0
+    files = {p.suffix: p for p in tmp_path.iterdir()}
+    assert set(files) == {".json", ".md"}, files
+    record = json.loads(files[".json"].read_text())
+    assert [(r["workload"], r["policy"]) for r in record["rows"]] == \
+        [("serve", "fixed"), ("serve", "adaptive")]
+    fixed = record["rows"][0]
+    for row in record["rows"]:
+        assert row["idle"] > 0 and row["busy"] > 0
+        assert row["busy_vs_fixed_idle"] == pytest.approx(row["busy"] / fixed["idle"])
+    assert files[".md"].read_text().startswith("## xrec bench contention")
+    assert main(["contention", "--quick", "--out", str(tmp_path), "--workloads", "nap"]) == 1
+
+
+GR_SMALL = ["offline", "--family", "qwen3", "--case", "gr-inference", "--size", "qwen3-sid-test",
+            "--contexts", "16,32", "--batches", "1,2", "--beam-width", "8", "--items", "300",
+            "--repeats", "2", "--hf-repeats", "1", "--online-requests", "8", "--no-progress"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_offline_gr_inference_case_scaled_down(home, tmp_path, dtype):
+    """NVIDIA's gr-inference protocol at a tiny size on the CPU: a row per (context, batch)
+    and contender, HF at the first context with batch 1 only, the graphs slot saying why it
+    has no number, the online row. Oracles: in float32, xrec's triples are HF generate's
+    and its top-1 the float32 engine's; in bfloat16 the agreement is counted from the
+    top-1 triples the record holds."""
+    assert main([*GR_SMALL, "--dtype", dtype, "--out", str(tmp_path)]) == 0
+    files = {p.suffix: p for p in tmp_path.iterdir()}
+    assert set(files) == {".json", ".md", ".png"}, files
+    record = json.loads(files[".json"].read_text())
+    markdown = files[".md"].read_text()
+    assert markdown.startswith("## xrec bench offline --case gr-inference (qwen3-sid-test")
+    assert record["case"] == "gr-inference" and record["settings"]["dtype"] == dtype
+    assert record["settings"]["hf_point"] == [16, 1] and not record["settings"]["has_targets"]
+    assert record["model"]["engine_options"]["max_beam_width"] >= 8
+    assert [(p["context"], p["batch"]) for p in record["points"]] == \
+        [(16, 1), (16, 2), (32, 1), (32, 2)]
+    for point in record["points"]:
+        rows, batch = point["contenders"], point["batch"]
+        is_hf_point = (point["context"], batch) == (16, 1)
+        assert list(rows) == ["xrec-graphs", "xrec-eager"] + (["hf"] if is_hf_point else [])
+        graphs = rows["xrec-graphs"]
+        assert graphs["available"] is False and graphs["reason"].startswith("not available")
+        eager = rows["xrec-eager"]
+        assert eager["runs"] == 2 and eager["batches"] == 1 and eager["median_ms"] > 0
+        assert eager["ms_per_request"] == pytest.approx(eager["median_ms"] / batch)
+        assert len(eager["top1"]) == len(point["fp32_top1"]) == batch
+        assert eager["top1_vs_fp32"]["equal"] == \
+            sum(a == b for a, b in zip(eager["top1"], point["fp32_top1"]))
+        assert "target_ms" not in eager   # the targets are the 1.7B protocol's
+        if point["context"] == 16:
+            hf = record["points"][0]["contenders"]["hf"]
+            assert eager["vs_hf_per_request"] == \
+                pytest.approx(hf["ms_per_request"] / eager["ms_per_request"])
+        if dtype == "float32":
+            assert eager["top1_vs_fp32"]["fraction"] == 1.0
+        if is_hf_point:
+            assert rows["hf"]["runs"] == 1 and len(rows["hf"]["top1"]) == 1
+            if dtype == "float32":   # "full" normalisation: HF generate's triples, all of them
+                assert eager["overlap_vs_hf"] == {"mean": 1.0, "min": 1.0}
+                assert rows["hf"]["top1"] == point["fp32_top1"]
+    agreement = record["top1_vs_fp32"]
+    assert agreement["requests"] == 6 and agreement["target"] is None
+    assert agreement["fraction"] == (1.0 if dtype == "float32" else agreement["equal"] / 6)
+    # bfloat16 flips only near-ties of the float32 ranking; a broken path would agree with
+    # float32 by chance only (1 in ~300 items)
+    assert agreement["fraction"] >= 0.5
+    online = record["online"]
+    assert online["concurrency"] == 4 and online["sent"] == online["ok"] == 8
+    assert online["errors"] == {} and online["throughput_per_s"] > 0
+    assert online["p50_ms"] <= online["p99_ms"]
+
+
+def test_gr_inference_protocol_is_the_default_on_cuda():
+    """Without --size, CUDA runs NVIDIA's workload (its targets apply); a CPU the family's
+    default size; flags scale the workload down (no targets)."""
+    from xrec.bench.cli import build_parser
+    from xrec.bench.gr_inference import protocol_of
+
+    def protocol(*flags):
+        args = build_parser().parse_args(["offline", "--family", "qwen3", "--case",
+                                          "gr-inference", *flags])
+        args.is_size_given, args.size = args.size is not None, args.size or "qwen3-sid-tiny"
+        return protocol_of(args)
+
+    full = protocol("--device", "cuda")
+    assert (full.size, full.dtype, full.beam_width) == ("qwen3-sid-1.7b", "bfloat16", 256)
+    assert (full.contexts, full.batches, full.hf_point) == ((1000, 5000), (1, 8), (1000, 1))
+    assert full.has_targets and full.contenders == ("xrec-eager", "hf")
+    assert full.online_concurrency == 4
+    assert protocol("--device", "cuda", "--size", "qwen3-sid-test").size == "qwen3-sid-test"
+    assert protocol().size == "qwen3-sid-tiny" and not protocol().has_targets
+    small = protocol("--device", "cuda", "--beam-width", "8", "--contexts", "16", "--batches", "2,4")
+    assert small.hf_point == (16, 2) and not small.has_targets
+    with pytest.raises(ValueError, match="xrec-eager"):
+        protocol("--contenders", "hf")
+
+
+def test_offline_gr_inference_case_refuses_the_encoder_decoder_family(home, tmp_path, capsys):
+    assert main(["offline", "--case", "gr-inference", "--out", str(tmp_path)]) == 1
+    assert "--family qwen3" in capsys.readouterr().err
 
 
 # ---- pieces ----------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""`xrec bench offline | scaling | breakdown | roofline | serve | embedded | batch`: argument
-parsing and dispatch.
+"""`xrec bench offline | scaling | breakdown | roofline | serve | embedded | batch |
+contention`: argument parsing and dispatch.
 
 Every command runs its contenders side by side in one process, prints a Markdown
 table and writes `<out>/<name>-<timestamp>.json`, `.md` and (where a curve says more)
@@ -25,6 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     default_size, quick_size = FAMILY_SIZES[args.family]
+    args.is_size_given = args.size is not None   # --case gr-inference: its own default on CUDA
     if args.quick:
         apply_quick(args)
         args.size = quick_size
@@ -122,13 +123,26 @@ def build_parser() -> argparse.ArgumentParser:
     offline = sub.add_parser("offline", help="requests/s and latency of a batch vs HF generate")
     common(offline)
     contenders(offline, "xrec,xrec-full,hf,naive; xrec,xrec-full,hf for --case; xrec,xrec-filter "
-                        "for --case filter")
-    offline.add_argument("--case", choices=("target1", "target2", "targets", "filter"),
+                        "for --case filter; xrec-eager,hf for --case gr-inference")
+    offline.add_argument("--case", choices=("target1", "target2", "targets", "filter",
+                                            "gr-inference"),
                          help="the headline cases: onerec (docs/quality.md): target1 W=128 L=256 "
                          "16 requests, target2 W=512 L=1024 4 requests; qwen3 (issue 9): target1 "
                          "W=128 L=256 4 requests; targets: all of the family's; filter (issue "
                          "25): W=128 L=256 16 requests, xrec against xrec-filter (each request "
-                         "excludes 1,000 items and 2 level-1 subtrees)")
+                         "excludes 1,000 items and 2 level-1 subtrees); gr-inference (issue "
+                         "24, --family qwen3): NVIDIA's protocol, qwen3-sid-1.7b on CUDA, bf16, "
+                         "W=256, contexts 1000,5000 x batches 1,8, top-1 vs float32, HF, online")
+    offline.add_argument("--contexts", type=_ints, default=None,
+                         help="--case gr-inference: prompt lengths (default 1000,5000)")
+    offline.add_argument("--batches", type=_ints, default=None,
+                         help="--case gr-inference: requests per batch (default 1,8)")
+    offline.add_argument("--beam-width", type=int, default=None,
+                         help="--case gr-inference: beam width (default 256)")
+    offline.add_argument("--online-concurrency", type=int, default=4,
+                         help="--case gr-inference: requests in flight of the online row (0: none)")
+    offline.add_argument("--online-requests", type=int, default=32,
+                         help="--case gr-inference: requests of the online row")
     offline.add_argument("--beam-widths", type=_ints, default=[64, 128, 256, 512])
     offline.add_argument("--lengths", type=_ints, default=[128, 512, 1024])
     offline.add_argument("--num-requests", type=int, default=8)
@@ -221,6 +235,21 @@ def build_parser() -> argparse.ArgumentParser:
                           help="times every row runs, in turn (a fresh process each); each "
                                "row reports the median over rounds (default 3, --quick 1)")
     embedded.set_defaults(run=_run("embedded"), repeats=7)
+    contention = sub.add_parser("contention", help="throughput with one core taken by a busy "
+                                "neighbour: fixed threads vs threads that follow the free cores")
+    common(contention)
+    contention.add_argument("--workloads", type=_names, default=["serve", "batch", "train"],
+                            help="comma-separated among serve, batch, train")
+    contention.add_argument("--beam-width", type=int, default=128)
+    contention.add_argument("--length", type=int, default=256)
+    contention.add_argument("--num-requests", type=int, default=16,
+                            help="serve: requests per batch")
+    contention.add_argument("--rows", type=int, default=800, help="batch: rows of the file")
+    contention.add_argument("--seconds", type=float, default=8.0,
+                            help="serve, train: seconds of runs per measurement")
+    contention.add_argument("--rounds", type=int, default=3,
+                            help="times every row runs, in turn (a fresh process each)")
+    contention.set_defaults(run=_run("contention"))
     return parser
 
 
@@ -244,6 +273,9 @@ def apply_quick(args: argparse.Namespace) -> None:
         args.rounds = args.rounds or 1
     elif args.command == "batch":
         args.rows, args.engine_rows, args.beam_width, args.chunk_rows = 200, 200, 4, 64
+    elif args.command == "contention":
+        args.beam_width, args.length, args.num_requests, args.rows = 8, 16, 2, 40
+        args.seconds, args.rounds = 0.2, 1
 
 
 def _run_serve(args: argparse.Namespace) -> int:

@@ -43,6 +43,9 @@ def points_of(args: argparse.Namespace) -> list[tuple[tuple[int, int, int], dict
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.case == "gr-inference":   # its own engines, points and table (gr_inference.py)
+        from xrec.bench.gr_inference import run as run_gr_inference
+        return run_gr_inference(args)
     generic = ["xrec", "xrec-full", "hf"] + (["naive"] if args.family == "onerec" else [])
     names = args.contenders or (["xrec", "xrec-filter"] if args.case == "filter" else
                                 ["xrec", "xrec-full", "hf"] if args.case else generic)

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from xrec.bench.lib.common import MIB, PeakMemory, summarize
-from xrec.bench.lib.contenders import HFContender, XrecContender, build_trie, overlap
+from xrec.bench.lib.contenders import (HFContender, RunResult, XrecContender, build_trie,
+                                       overlap)
 from xrec.bench.lib.models import Workload, exclusions_of
 from xrec.utils.fresh_thread import in_fresh_thread
 
@@ -98,9 +99,39 @@ def _hf_model(model, model_dir: Path, device: str):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    return _for_generate(hf).to(device)
+
+
+def hf_causal_from(model, dtype=None):
+    """The Hugging Face model (`AutoModelForCausalLM` of the config's `model_type`) of a
+    decoder-only xrec `model` in memory: its tensors, under the same names, on its device,
+    in `dtype` (default: the model's). For models built without a directory
+    (`Engine.from_random`)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if model.config.is_encoder_decoder:
+        raise ValueError("hf_causal_from: a decoder-only model; encoder-decoder models are "
+                         "exported with export_hf_t5")
+    dtype = dtype or model.dtype
+    with torch.device(model.device):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**model.config.to_dict()),
+                                              dtype=dtype)
+    result = hf.load_state_dict(model.state_dict(), strict=False)
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    if result.unexpected_keys or set(result.missing_keys) - tied:
+        raise ValueError(f"hf_causal_from: tensors do not fit {type(hf).__name__}: missing "
+                         f"{sorted(set(result.missing_keys) - tied)}, unexpected "
+                         f"{sorted(result.unexpected_keys)}")
+    hf.tie_weights()
+    return _for_generate(hf)
+
+
+def _for_generate(hf):
+    """No end of sequence (3 tokens always), pad 0, inference only."""
     for cfg in (hf.config, hf.generation_config):
         cfg.eos_token_id, cfg.bos_token_id, cfg.pad_token_id = None, None, 0
-    return hf.to(device).eval().requires_grad_(False)
+    return hf.eval().requires_grad_(False)
 
 
 def load_for(args, names: list[str]) -> Contenders:
@@ -113,12 +144,14 @@ def load_for(args, names: list[str]) -> Contenders:
 
 
 def run_point(contenders: Contenders, workload: Workload, warmup: int, repeats: int,
-              slow_repeats: int, device: str, bar=None) -> dict[str, dict]:
+              slow_repeats: int, device: str, bar=None,
+              checked: dict[str, RunResult] | None = None) -> dict[str, dict]:
     """Warm up each contender (its last warm-up run measures peak memory and gives the
     results compared with the reference), then run them interleaved: A1 B1 C1 A2 B2 ...
-    Returns per contender the timing summary, peak memory, overlap and ratios vs HF."""
+    Returns per contender the timing summary, peak memory, overlap and ratios vs HF;
+    `checked`, when given, receives each contender's compared `RunResult`."""
     runs: dict[str, list] = {name: [] for name in contenders.by_name}
-    checked: dict[str, Any] = {}
+    checked = {} if checked is None else checked
     memory: dict[str, float | None] = {}
     for name, contender in contenders.by_name.items():
         for index in range(warmup):
