@@ -36,6 +36,7 @@ class ModelConfig:
     scale_decoder_outputs: bool = True   # tied head only: multiply by d_model**-0.5 (HF T5)
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128
+    is_encoder_causal: bool = False      # encoder position j attends to positions <= j only
     bos_token_id: int = 0
     use_moe: bool = False
     moe_num_experts: int = 8
@@ -200,6 +201,7 @@ def _common_fields(raw: dict[str, Any]) -> dict[str, Any]:
         "scale_decoder_outputs": get_key(raw, "scale_decoder_outputs", True, bool),
         "relative_attention_num_buckets": get_key(raw, "relative_attention_num_buckets", 32, int),
         "relative_attention_max_distance": get_key(raw, "relative_attention_max_distance", 128, int),
+        "is_encoder_causal": get_key(raw, "is_encoder_causal", False, bool),
     }
 
 

@@ -113,25 +113,33 @@ class Stack(nn.Module):
                                            num_buckets=self.num_buckets, max_distance=self.max_distance)
         return attn.relative_attention_bias(buckets).float().movedim(-1, -3)
 
-    def reversed_square_bias(self, length: int, device: torch.device,
-                             dtype: torch.dtype) -> torch.Tensor | None:
+    def reversed_square_bias(self, length: int, device: torch.device, dtype: torch.dtype,
+                             is_causal: bool = False) -> torch.Tensor | None:
         """The `[H, L, L]` bias of L positions attending to each other, queries in reverse
-        order: row s holds query L-1-s. None without a bias table.
+        order: row s holds query L-1-s. With `is_causal`, -inf where the key comes after the
+        query (`[1, L, L]` without a bias table). None without a table or a causal mask.
 
         The bias is Toeplitz (it depends on key - query only), so with the queries reversed
         row s is the window s .. s+L-1 of the `[H, 2L-1]` per-distance vector, and the
         whole matrix is a strided *view* of 2L-1 values per head: on a CPU the attention
-        kernel reads it from cache instead of streaming H x L x L values per layer. Other
-        devices get a contiguous copy (their kernels want aligned rows).
+        kernel reads it from cache instead of streaming H x L x L values per layer. The
+        causal mask is a function of key - query too, so it lives in the same vector.
+        Other devices get a contiguous copy (their kernels want aligned rows).
         """
         attn = self.block[0].layer[0].SelfAttention
-        if not hasattr(attn, "relative_attention_bias"):
+        has_table = hasattr(attn, "relative_attention_bias")
+        if not (has_table or is_causal):
             return None
         distances = torch.arange(1 - length, length, device=device)     # key - query, [2L-1]
-        buckets = relative_position_bucket(distances, bidirectional=not self.is_decoder,
-                                           num_buckets=self.num_buckets, max_distance=self.max_distance)
-        per_distance = attn.relative_attention_bias(buckets).to(dtype).T.contiguous()
-        windows = per_distance.unfold(-1, length, 1)                     # [H, L, L] view
+        if has_table:
+            buckets = relative_position_bucket(distances, bidirectional=not self.is_decoder,
+                                               num_buckets=self.num_buckets, max_distance=self.max_distance)
+            per_distance = attn.relative_attention_bias(buckets).to(dtype).T   # [H, 2L-1]
+        else:
+            per_distance = torch.zeros(1, 2 * length - 1, device=device, dtype=dtype)
+        if is_causal:
+            per_distance = per_distance.masked_fill(distances > 0, float("-inf"))
+        windows = per_distance.contiguous().unfold(-1, length, 1)        # [H, L, L] view
         return windows if device.type == "cpu" else windows.contiguous()  # pragma: no mutate
 
 
@@ -226,8 +234,11 @@ class OneRecModel(RecModel):
 
     def encode(self, hidden: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         """`hidden [B, L, D]` (embedded ids or sparse embeddings), `key_mask [B, 1, 1, L]`
-        additive or None. Returns the encoder output `[B, L, D]`."""
-        bias = self.encoder.reversed_square_bias(hidden.shape[1], hidden.device, hidden.dtype)
+        additive or None. Returns the encoder output `[B, L, D]`. With
+        `config.is_encoder_causal`, position j attends to positions <= j only: the output
+        of a prompt's first n positions is that of those n positions alone."""
+        bias = self.encoder.reversed_square_bias(hidden.shape[1], hidden.device, hidden.dtype,
+                                                 self.config.is_encoder_causal)
         reverse = bias is not None       # the bias rows are in reverse query order: so are q's
         mask = _add_masks(None if bias is None else bias.unsqueeze(0), key_mask)
         scale = self.config.encoder_attention_scale

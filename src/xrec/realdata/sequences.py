@@ -19,7 +19,7 @@ from xrec.catalog import ItemCatalog
 from xrec.realdata.data import DataError
 from xrec.catalog.sid_vocab import SidLayout
 
-__all__ = ["IGNORE", "SidVocabulary", "causal_windows", "collate", "prompts", "seq2seq_samples"]
+__all__ = ["IGNORE", "SidVocabulary", "causal_windows", "collate", "prompts", "seq2seq_windows"]
 
 IGNORE = -100              # label of a position without a loss (torch's cross_entropy default)
 BOS_TOKEN = "<|endoftext|>"
@@ -83,22 +83,18 @@ def causal_windows(vocab: SidVocabulary, train, max_items: int) -> list[np.ndarr
     return out
 
 
-def seq2seq_samples(vocab: SidVocabulary, train, max_items: int, per_user: int,
-                    rng: np.random.Generator) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Encoder-decoder training pairs for one epoch: per user, `per_user` target positions
-    drawn without replacement among items 1.. of its training sequence (always including the
-    last), each (prompt of the items before it, the target's 3 tokens)."""
+def seq2seq_windows(vocab: SidVocabulary, train, max_items: int) -> list[np.ndarray]:
+    """Encoder-decoder training sequences: each user's training items cut into windows of at
+    most `max_items + 1` items aligned to the end, consecutive windows sharing one item, each
+    window BOS + its items' tokens. Item k >= 1 of a window is a target whose prompt is BOS
+    + the window's items before it (at most `max_items`, as at serving): every training item
+    but a user's first is a target once per epoch, all of a window in one pass
+    (`xrec.realdata.train.models.seq2seq_inputs`)."""
     out = []
     for items in train:
-        if len(items) < 2:
-            continue
-        candidates = np.arange(1, len(items) - 1)
-        take = min(per_user - 1, len(candidates))
-        positions = np.append(rng.choice(candidates, take, replace=False), len(items) - 1)
-        for t in positions:
-            history = items[max(0, t - max_items):t]
-            out.append((np.concatenate(([vocab.bos_id], vocab.item_tokens[history].ravel())),
-                        vocab.item_tokens[items[t]]))
+        for end in range(len(items), 1, -max_items):
+            window = items[max(0, end - max_items - 1):end]
+            out.append(np.concatenate(([vocab.bos_id], vocab.item_tokens[window].ravel())))
     return out
 
 

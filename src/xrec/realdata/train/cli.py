@@ -15,13 +15,12 @@ from pathlib import Path
 __all__ = ["add_train_parser", "run_dir"]
 
 _HELP = {
-    "family": "qwen3: decoder-only (the whole history trains in one pass); onerec: "
-              "encoder-decoder",
+    "family": "qwen3: decoder-only; onerec: encoder-decoder with a causal encoder "
+              "(both train every item of a history window in one pass)",
     "hidden": "model width", "layers": "layers (onerec: encoder and decoder each)",
     "heads": "attention heads", "max_items": "history items in a prompt (3 tokens each)",
     "epochs": "most epochs", "batch_size": "sequences per step", "lr": "peak learning rate",
     "weight_decay": "AdamW weight decay", "warmup_steps": "linear warm-up steps",
-    "samples_per_user": "onerec: training pairs per user and epoch",
     "valid_users": "validation users (0: all)",
     "valid_beam_width": "beam width of the validation search",
     "patience": "epochs without a better validation HR@10 before stopping",
@@ -37,7 +36,7 @@ def run_dir(dataset: str) -> Path:
 
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
-    from xrec.realdata.train.options import TrainOptions
+    from xrec.realdata.train.options import FAMILY_DEFAULTS, TrainOptions
 
     train = subparsers.add_parser(
         "train", help="train a model of either family on interaction sequences",
@@ -55,6 +54,11 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         if f.name == "family":
             train.add_argument(flag, choices=("qwen3", "onerec"), default=f.default,
                                help=_HELP[f.name])
+        elif f.default is None:     # the family's default
+            defaults = {family: values[f.name] for family, values in FAMILY_DEFAULTS.items()}
+            train.add_argument(flag, type=type(defaults["qwen3"]), default=None,
+                               help=f"{_HELP[f.name]} (default " + ", ".join(
+                                   f"{family} {value}" for family, value in defaults.items()) + ")")
         else:
             train.add_argument(flag, type=type(f.default), default=f.default,
                                help=f"{_HELP[f.name]} (default {f.default})")

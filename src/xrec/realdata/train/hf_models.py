@@ -1,7 +1,9 @@
 """Hugging Face equivalents of xrec's models (transformers needed): the oracle and baseline
 of tests and bench, and the trainable form of `xrec train`. An encoder-decoder OneRec model
 without GQA, MoE or xllm-only options is exactly a `T5ForConditionalGeneration` (xrec's
-canonical tensor names are T5's); a decoder-only model is its own HF directory."""
+canonical tensor names are T5's); with `is_encoder_causal` it is T5 whose encoder is given
+the causal mask on every call (`xrec train` does; `export_hf_t5` refuses it). A decoder-only
+model is its own HF directory."""
 
 from __future__ import annotations
 
@@ -52,6 +54,9 @@ def export_hf_t5(model, out_dir: str | Path | None = None):
     import torch
     from transformers import T5ForConditionalGeneration
 
+    if model.config.is_encoder_causal:
+        raise ValueError("this model has no Hugging Face T5 equivalent: a causal encoder "
+                         "(T5's encoder is bidirectional unless each call passes the mask)")
     hf = T5ForConditionalGeneration(hf_t5_config(model.config))
     state = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
     result = hf.load_state_dict(state, strict=False)

@@ -1,7 +1,12 @@
 """The trainable form of each family: a Hugging Face model of the same architecture and the
 same tensor names as xrec's (Qwen3ForCausalLM for the decoder-only family, T5 for OneRec's
 encoder-decoder), created from xrec's config and written back as an xrec model directory.
-The oracle tests already show xrec's models compute what these compute."""
+The oracle tests already show xrec's models compute what these compute.
+
+Both families train every item of a history window in one pass: the decoder-only one as a
+causal LM, the encoder-decoder one with a causal encoder (`is_encoder_causal`) and the
+masks of `seq2seq_inputs` (tests/test_train_onerec.py checks it against T5 run one target
+at a time)."""
 
 from __future__ import annotations
 
@@ -18,13 +23,13 @@ from xrec.config.qwen import QwenConfig
 from xrec.realdata.train.options import FAMILIES
 from xrec.realdata.sequences import IGNORE, collate
 
-__all__ = ["TrainableModel", "model_config"]
+__all__ = ["TrainableModel", "model_config", "seq2seq_inputs"]
 
 
 def model_config(family: str, vocab_size: int, hidden: int, layers: int, heads: int,
                  max_positions: int, bos_id: int) -> ModelConfig | QwenConfig:
     """xrec's config of a small model of `family` (float32, tied embeddings, head_dim =
-    hidden / heads, feed-forward 3 x hidden)."""
+    hidden / heads, feed-forward 3 x hidden; onerec: a causal encoder, `seq2seq_inputs`)."""
     if hidden % heads:
         raise ValueError(f"hidden {hidden} is not a multiple of heads {heads}")
     head_dim = hidden // heads
@@ -40,7 +45,8 @@ def model_config(family: str, vocab_size: int, hidden: int, layers: int, heads: 
                            num_decoder_layers=layers, num_heads=heads, head_dim=head_dim,
                            num_kv_heads=heads, decoder_num_heads=heads,
                            decoder_head_dim=head_dim, decoder_num_kv_heads=heads,
-                           vocab_size=vocab_size, bos_token_id=bos_id, torch_dtype="float32")
+                           vocab_size=vocab_size, bos_token_id=bos_id, is_encoder_causal=True,
+                           torch_dtype="float32")
     raise ValueError(f"family: got {family!r}, allowed: {', '.join(FAMILIES)}")
 
 
@@ -89,22 +95,62 @@ class TrainableModel:
             return set(HF_T5_TIED)
         return {"lm_head.weight"} if self.config.tie_word_embeddings else set()
 
-    def loss(self, batch) -> tuple[torch.Tensor, int]:
-        """Mean cross-entropy of a batch of `batches` items and its target count."""
+    def loss(self, batch: list[np.ndarray]) -> tuple[torch.Tensor, int]:
+        """Mean cross-entropy of a batch of training sequences and its target count."""
+        out, labels = self.forward(batch)
+        return out.loss, int((labels != IGNORE).sum())
+
+    def forward(self, batch: list[np.ndarray]) -> tuple[Any, torch.Tensor]:
+        """The Hugging Face output (logits, loss) over a batch of training sequences
+        (`causal_windows` or `seq2seq_windows`), and its labels (IGNORE where no target)."""
         if self.config.is_encoder_decoder:
-            prompts, targets = zip(*batch)
-            ids, mask = collate(list(prompts))
-            labels = torch.as_tensor(np.stack(targets))
-            start = torch.full((len(batch), 1), self.config.bos_token_id, dtype=torch.long)
-            out = self.hf(input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(mask),
-                          decoder_input_ids=torch.cat([start, labels[:, :-1]], dim=1),
-                          labels=labels)
-            return out.loss, labels.numel()
+            inputs = seq2seq_inputs(batch, self.config.bos_token_id)
+            encoded = self.hf.encoder(input_ids=inputs.pop("input_ids"),
+                                      attention_mask=inputs.pop("encoder_mask"))
+            return self.hf(encoder_outputs=encoded, use_cache=False, **inputs), inputs["labels"]
         ids, mask = collate(list(batch))
-        labels = np.where(mask == 1, ids, IGNORE)
         # right padding under a causal mask: real tokens never attend to the padding after them
-        out = self.hf(input_ids=torch.as_tensor(ids), labels=torch.as_tensor(labels))
-        return out.loss, int((labels[:, 1:] != IGNORE).sum())
+        labels = torch.as_tensor(np.where(mask == 1, ids, IGNORE))
+        out = self.hf(input_ids=torch.as_tensor(ids), labels=labels)
+        return out, labels[:, 1:]
+
+
+def seq2seq_inputs(windows: list[np.ndarray], start_id: int) -> dict[str, torch.Tensor]:
+    """The keyword arguments of one `T5ForConditionalGeneration` pass that trains every
+    target of a batch of `seq2seq_windows` (`encoder_mask` goes to its encoder).
+
+    A window of n + 1 items: the encoder reads BOS + items 0 .. n-1 under a causal mask
+    (`input_ids [B, L]`, L = 1 + 3n at most). The decoder reads, for each target item
+    k = 1 .. n, the block [start, c1, c2] predicting [c1, c2, c3], the blocks one after
+    another (`decoder_input_ids`, `labels [B, T]`, T = 3n at most). Each block attends
+    only to itself, causally, and to encoder positions 0 .. 3k (BOS and items 0 .. k-1):
+    since the encoder is causal and T5's position biases depend on distance only, block k
+    computes what a 3-token decoder over the prompt of items 0 .. k-1 computes at serving.
+
+    Masks are additive float32 `[1, 1, Lq, Lk]`, shared by the batch: the right padding
+    sits after every position a real query may see.
+    """
+    ids, _ = collate([w[:-3] for w in windows])
+    targets = [w[4:].reshape(-1, 3) for w in windows]                  # [n, 3] each
+    blocks = [np.concatenate([np.full((len(t), 1), start_id), t[:, :2]], 1).ravel() for t in targets]
+    decoder_ids, _ = collate(blocks)
+    labels, _ = collate([t.ravel() for t in targets], pad_id=IGNORE)
+    step = torch.arange(decoder_ids.shape[1])
+    block = step // 3                                                   # [T] target k - 1
+    position = torch.arange(ids.shape[1])
+    return {"input_ids": torch.as_tensor(ids),
+            "encoder_mask": _additive(position[None, :] <= position[:, None]),           # [L, L]
+            "decoder_input_ids": torch.as_tensor(decoder_ids),
+            "decoder_attention_mask": _additive((block[None, :] == block[:, None])
+                                                & (step[None, :] <= step[:, None])),     # [T, T]
+            "attention_mask": _additive(position[None, :] <= 3 * (block[:, None] + 1)),  # [T, L]
+            "labels": torch.as_tensor(labels)}
+
+
+def _additive(allowed: torch.Tensor) -> torch.Tensor:
+    """A boolean `[Lq, Lk]` -> the additive float32 mask `[1, 1, Lq, Lk]` (0 or the float minimum)."""
+    mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    return mask[None, None]
 
 
 def batches(examples: list, batch_size: int, rng: np.random.Generator) -> list[list]:
@@ -114,12 +160,8 @@ def batches(examples: list, batch_size: int, rng: np.random.Generator) -> list[l
     chunk = 50 * batch_size
     out = []
     for start in range(0, len(order), chunk):
-        part = sorted(order[start:start + chunk], key=lambda i: _length(examples[i]))
+        part = sorted(order[start:start + chunk], key=lambda i: len(examples[i]))
         out.extend([examples[i] for i in part[b:b + batch_size]]
                    for b in range(0, len(part), batch_size))
     rng.shuffle(out)
     return out
-
-
-def _length(example) -> int:
-    return len(example[0]) if isinstance(example, tuple) else len(example)

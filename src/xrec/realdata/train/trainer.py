@@ -21,10 +21,11 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from xrec.engine.threads import FollowFreeCores, training_threads
 from xrec.realdata.data import DataError, Split
 from xrec.realdata.train.models import TrainableModel, batches, model_config
 from xrec.realdata.train.options import TrainOptions
-from xrec.realdata.sequences import SidVocabulary, causal_windows, seq2seq_samples
+from xrec.realdata.sequences import SidVocabulary, causal_windows, seq2seq_windows
 
 __all__ = ["TrainOptions", "train"]
 
@@ -44,14 +45,9 @@ def train(split: Split, sid_dir: str | Path, out_dir: str | Path, options: Train
                           options.heads, 3 * options.max_items + 8, vocab.bos_id)
     work = out_dir.with_name(out_dir.name + ".partial")
     run = _Run(split, vocab, config, options, work, log, threads)
-    previous = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
+    with training_threads(threads) as cores:
         run.resume_or_start()
-        run.fit(progress)
-    finally:
-        torch.set_num_threads(previous)
+        run.fit(progress, cores)
     report = run.report()
     (work / "best" / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     (work / "best").rename(out_dir)
@@ -82,12 +78,9 @@ class _Run:
 
     # ---- the data of an epoch ------------------------------------------------------------
     def examples(self, epoch: int) -> list:
-        o = self.options
-        if self.config.is_encoder_decoder:
-            rng = np.random.default_rng([o.seed, epoch, 1])
-            return seq2seq_samples(self.vocab, self.split.train, o.max_items,
-                                   o.samples_per_user, rng)
-        return causal_windows(self.vocab, self.split.train, o.max_items)
+        """The training sequences of an epoch (every epoch the same ones; `batches` shuffles)."""
+        windows = seq2seq_windows if self.config.is_encoder_decoder else causal_windows
+        return windows(self.vocab, self.split.train, self.options.max_items)
 
     def learning_rate(self, step: int) -> float:
         """Linear warm-up, then cosine decay to 0 over all epochs."""
@@ -146,7 +139,7 @@ class _Run:
         tmp.rename(self.work / "state.json")
 
     # ---- the loop ------------------------------------------------------------------------
-    def fit(self, progress: bool) -> None:
+    def fit(self, progress: bool, cores: FollowFreeCores) -> None:
         from tqdm import tqdm
 
         o = self.options
@@ -159,6 +152,7 @@ class _Run:
                        disable=not progress, unit="batch", dynamic_ncols=True)
             total_loss = total_targets = 0.0
             for batch in bar:
+                cores.follow()
                 for group in self.optimizer.param_groups:
                     group["lr"] = self.learning_rate(self.step)
                 loss, targets = self.model.loss(batch)
