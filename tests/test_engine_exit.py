@@ -50,7 +50,9 @@ def model_dir(tmp_path_factory):
 
 def _run_script(model_dir, isolation: str, how: str) -> tuple[int, str, int]:
     """(exit status, stderr, pid of the engine's pipelines' process) of SCRIPT."""
-    with _reaped([sys.executable, "-c", SCRIPT, str(model_dir), isolation, how]) as proc:
+    # SIGINT at its default even where the test runner ignores it (a job started with `&`)
+    with _reaped([sys.executable, "-c", SCRIPT, str(model_dir), isolation, how],
+                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) as proc:
         line = proc.stdout.readline().split()
         assert line[:1] == ["busy"], proc.communicate(timeout=WAIT_S)
         assert int(line[1]) >= 1, "no batch was running: the exit was not exercised"
