@@ -13,14 +13,16 @@ libtorch_cpu so that they are the copies torch itself uses.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator
-from contextlib import contextmanager
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
 import torch
+
+from xrec.utils.cpu_share import cpu_share
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +85,6 @@ class FollowFreeCores:
     keeps `wanted` whatever the load; None: `adaptive_by_default()`."""
 
     def __init__(self, wanted: int, sharers: int = 1, adaptive: bool | None = None):
-        from xrec.utils.cpu_share import cpu_share
-
         self.wanted, self.sharers = wanted, sharers
         if adaptive is None:
             adaptive = adaptive_by_default()
