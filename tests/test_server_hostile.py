@@ -437,6 +437,9 @@ def test_requests_unfinished_after_the_grace_period_get_503_json(model_dir):
                                       results))
         assert wait_until(lambda: engine.scheduler.num_waiting == 1)
         running.server.handle_exit(signal.SIGTERM, None)   # the batch outlasts the grace period
+        # its round ends only once the grace period is over and the pipelines are stopping
+        assert wait_until(lambda: engine.executor.is_stopping)
+        gate.release.set()
         for thread in threads:
             thread.join(WAIT_S * 2)
         assert len(results) == 2
