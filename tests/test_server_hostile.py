@@ -457,7 +457,7 @@ def test_requests_unfinished_after_the_grace_period_get_503_json(model_dir):
 
 
 def test_the_process_answers_503_and_exits_0_when_a_batch_outlasts_the_grace_period(tmp_path):
-    """The issue's run, smaller: one big batch (32 x 4096 tokens, W=512) is running at
+    """The issue's run, smaller: one big batch (32 x 1024 tokens, W=512) is running at
     SIGTERM with no grace period: its clients get 503 JSON and `xrec serve` exits 0 without
     waiting for it (interpreter shutdown with torch on a pipeline thread aborted, 134)."""
     model = write_random_model(tmp_path / "m", "onerec-0.015b", seed=0, num_items=1000)
@@ -467,7 +467,7 @@ def test_the_process_answers_503_and_exits_0_when_a_batch_outlasts_the_grace_per
                                 "16384", "--batch-wait-ms", "2000"], _env(tmp_path), log_path)
     try:
         results: list = []
-        heavy = {"token_ids": [i % 8000 for i in range(4096)], "beam_width": 512}
+        heavy = {"token_ids": [i % 8000 for i in range(1024)], "beam_width": 512}
         threads = [post_in_thread(url + NATIVE, heavy, results) for _ in range(32)]
         assert wait_until(lambda: metric(url, "xrec_batches_running") >= 1, interval=0.02)
         proc.send_signal(signal.SIGTERM)
