@@ -11,18 +11,18 @@ from xrec.realdata.train.sasrec import SASRecConfig, SASRecModel, rank_sasrec, t
 NUM_ITEMS = 30
 
 
-def cycle_split(num_users: int = 160, seed: int = 0) -> Split:
+def cycle_split(num_users: int = 160, seed: int = 0, num_items: int = NUM_ITEMS) -> Split:
     """Users walk one fixed cycle through the items from a random start (lengths 3..40);
     user 0 has exactly 3 interactions (one training item), user 1 has 2 (not evaluated)."""
     rng = np.random.default_rng(seed)
-    cycle = rng.permutation(NUM_ITEMS).astype(np.int32)
+    cycle = rng.permutation(num_items).astype(np.int32)
     lengths = rng.integers(3, 41, num_users)
     lengths[0], lengths[1] = 3, 2
-    seqs = [cycle[(rng.integers(NUM_ITEMS) + np.arange(n)) % NUM_ITEMS] for n in lengths]
+    seqs = [cycle[(rng.integers(num_items) + np.arange(n)) % num_items] for n in lengths]
     users = np.concatenate([np.full(len(s), u, np.int32) for u, s in enumerate(seqs)])
     items = np.concatenate(seqs)
     data = Interactions(name="cycle", user_ids=tuple(map(str, range(num_users))),
-                        item_ids=tuple(map(str, range(NUM_ITEMS))), users=users, items=items,
+                        item_ids=tuple(map(str, range(num_items))), users=users, items=items,
                         timestamps=np.arange(len(items), dtype=np.float64))
     train = tuple(s[:-2] if len(s) >= 3 else s for s in seqs)
     valid = np.array([s[-2] if len(s) >= 3 else -1 for s in seqs], np.int32)
@@ -124,3 +124,48 @@ def test_chunked_cross_entropy_matches_torch():
     torch.testing.assert_close(got, expected)
     for a, b in zip(torch.autograd.grad(got * 0.5, (hidden, weight)), grads):
         torch.testing.assert_close(a, b)
+
+
+def test_without_validation_trains_on_every_item_but_the_test_one(split):
+    refit = split.without_validation()
+    assert all(np.array_equal(a, b) for a, b in zip(refit.train, split.history("test")))
+    assert (refit.valid == -1).all() and np.array_equal(refit.test, split.test)
+    assert np.array_equal(refit.history("test")[0], split.history("test")[0])
+
+
+@pytest.mark.parametrize("refit", [True, False])
+def test_eval_retrains_sasrec_for_the_epochs_validation_chose(tmp_path, monkeypatch, refit):
+    """`xrec eval`, test stage: early stopping on validation picks the epoch count, then a
+    fresh SASRec trains that many epochs on every item but the test one and is ranked
+    (`--no-sasrec-refit`: the early-stopped model is)."""
+    split = cycle_split(num_items=60)      # eval ranks 50 items
+    from xrec.realdata.evaluate import run
+    from xrec.realdata.train import sasrec
+
+    runs = []
+
+    def recording(run_split, config, progress=True):
+        model = train_sasrec(run_split, config, progress=progress)
+        runs.append((run_split, config, model))
+        return model
+
+    monkeypatch.setattr(sasrec, "train_sasrec", recording)
+    report = run.evaluate(split, [], tmp_path,
+                          run.EvalOptions(baselines=("sasrec",), sasrec_refit=refit),
+                          progress=False, log=lambda *_: None)
+    facts = report["training"]["sasrec"]
+    assert len(runs) == (2 if refit else 1)
+    first_split, first_config, first = runs[0]
+    assert first_split is split and len(first.epoch_logs) == facts["epochs"]
+    assert report["metrics"]["sasrec"]["hr@10"] >= 0.8, report["metrics"]["sasrec"]
+    if not refit:
+        assert "refit_epochs" not in facts and report["notes"] == []
+        return
+    refit_split, refit_config, refit_model = runs[1]
+    assert all(np.array_equal(a, b) for a, b in zip(refit_split.train, split.history("test")))
+    assert (refit_split.valid == -1).all()
+    assert facts["refit_epochs"] == facts["best_epoch"] == refit_config.epochs
+    assert len(refit_model.epoch_logs) == facts["best_epoch"] <= facts["epochs"]
+    assert facts["train_seconds"] == pytest.approx(
+        round(first.epoch_logs[-1].seconds, 1) + facts["refit_seconds"], abs=0.11)
+    assert any(note.startswith("sasrec: early stopping") for note in report["notes"])

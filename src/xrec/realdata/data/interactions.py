@@ -4,7 +4,7 @@ ids as written in the data file are kept beside them for output."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -62,6 +62,12 @@ class Split:
             return tuple(t if v < 0 else np.append(t, np.int32(v))
                          for t, v in zip(self.train, self.valid))
         raise ValueError(f"stage: got {stage!r}, expected 'valid' or 'test'")
+
+    def without_validation(self) -> Split:
+        """The split a model ranked on the test stage trains on once validation has chosen
+        its schedule: every item but the test one in training, no validation stage (the
+        training data of the published ML-1M protocol, which has no validation stage)."""
+        return replace(self, train=self.history("test"), valid=np.full_like(self.valid, -1))
 
     def targets(self, stage: str) -> np.ndarray:
         """int32 [num_users]: each user's item of `stage` (-1: user not evaluated)."""

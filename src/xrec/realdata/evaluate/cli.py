@@ -45,6 +45,10 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     ev.add_argument("--sasrec-minutes", type=float, default=defaults.sasrec_minutes,
                     help="cap SASRec's training at this many minutes (default: no cap; it "
                          "trains to convergence, early stopping on validation HR@10)")
+    ev.add_argument("--no-sasrec-refit", action="store_true",
+                    help="test stage: rank the SASRec that early stopping picked (default: "
+                         "retrain it for the epochs picked on every item but the test one, "
+                         "the published protocol's training data)")
     ev.add_argument("--seed", type=int, default=defaults.seed)
     ev.add_argument("--no-progress", action="store_true")
     ev.set_defaults(run=run_eval)
@@ -66,6 +70,7 @@ def run_eval(args: argparse.Namespace) -> int:
         b.strip() for b in args.baselines.split(",") if b.strip())
     options = EvalOptions(stage=args.stage, beam_width=args.beam_width, normalize=args.normalize,
                           baselines=baselines, sasrec_minutes=args.sasrec_minutes, seed=args.seed,
+                          sasrec_refit=not args.no_sasrec_refit,
                           exclude_seen=args.exclude_seen, dtype=args.dtype)
     models = [Path(m) for m in args.model] or trained_models(run_dir(args.data))
     if not models and not baselines:
