@@ -220,6 +220,28 @@ def test_killed_run_resumes_where_it_stopped(split, sid_dir, tmp_path):
     assert not (tmp_path / "killed.partial").exists()
 
 
+def test_final_fit_trains_on_the_validation_item_too_without_validating(split, sid_dir,
+                                                                        tmp_path):
+    """`final`: all epochs on every item but the test one, no validation; the same weights
+    as a final fit on `split.without_validation()` (which has nothing more to add)."""
+    options = TrainOptions(family="qwen3", epochs=2, final=True, **SMALL)
+    report = train(split, sid_dir, tmp_path / "final", options, progress=False,
+                   log=lambda *_: None, threads=1)
+    assert report["epochs_run"] == 2 and report["best"] == {"epoch": 2, "hr@10": None}
+    assert [h["valid_hr@10"] for h in report["history"]] == [None, None]
+    train(split.without_validation(), sid_dir, tmp_path / "same", options, progress=False,
+          log=lambda *_: None, threads=1)
+    from safetensors.torch import load_file
+    final, same = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("final", "same"))
+    for name in final:
+        torch.testing.assert_close(final[name], same[name], rtol=0, atol=0, msg=name)
+    ranker = GenerativeRanker.open(tmp_path / "final", split.data.num_items)
+    try:
+        assert ranker.rank(split, "test", 10, 16).shape == (split.data.num_users, 10)
+    finally:
+        ranker.close()
+
+
 def test_bad_inputs_have_clear_errors(split, sid_dir, tmp_path):
     options = TrainOptions(family="qwen3", epochs=1, **SMALL)
     with pytest.raises(DataError, match="run `xrec sid build` first"):

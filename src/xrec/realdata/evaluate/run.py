@@ -318,9 +318,11 @@ def _plot(path: Path, report: dict, model_dirs) -> None:
     for model_dir in model_dirs:
         train_report = Path(model_dir) / "train_report.json"
         if train_report.is_file():
-            history = json.loads(train_report.read_text())["history"]
-            curves.plot([h["epoch"] for h in history], [h["valid_hr@10"] for h in history],
-                        marker="o", label=_model_name(model_dir))
+            history = [h for h in json.loads(train_report.read_text())["history"]
+                       if h["valid_hr@10"] is not None]      # none in a final fit
+            if history:
+                curves.plot([h["epoch"] for h in history], [h["valid_hr@10"] for h in history],
+                            marker="o", label=_model_name(model_dir))
     curves.set_xlabel("epoch")
     curves.set_ylabel("validation HR@10")
     curves.set_title("training")

@@ -26,6 +26,8 @@ _HELP = {
     "patience": "epochs without a better validation HR@10 before stopping",
     "max_minutes": "stop after the epoch that passes this many minutes (0: no limit)",
     "seed": "random seed",
+    "final": "the final fit, once validation has chosen the options: train all --epochs on "
+             "every item but the test one (the validation item too), without validation",
 }
 
 
@@ -41,7 +43,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     train = subparsers.add_parser(
         "train", help="train a model of either family on interaction sequences",
         description="Teacher-forced cross-entropy on the items' semantic-ID tokens, validation "
-                    "HR@10 through the serving engine after each epoch, early stopping. A "
+                    "HR@10 through the serving engine after each epoch, early stopping (--final: "
+                    "every item but the test one, all epochs, no validation). A "
                     "killed run started again with the same options resumes after its last "
                     "epoch. Writes a model directory that `xrec serve --model` loads.")
     train.add_argument("--data", required=True, help="ml-1m, ml-100k, or an interaction file")
@@ -54,6 +57,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         if f.name == "family":
             train.add_argument(flag, choices=("qwen3", "onerec"), default=f.default,
                                help=_HELP[f.name])
+        elif isinstance(f.default, bool):
+            train.add_argument(flag, action="store_true", help=_HELP[f.name])
         elif f.default is None:     # the family's default
             defaults = {family: values[f.name] for family, values in FAMILY_DEFAULTS.items()}
             train.add_argument(flag, type=type(defaults["qwen3"]), default=None,
@@ -80,6 +85,8 @@ def run_train(args: argparse.Namespace) -> int:
     report = train(split, sid, out, options, progress=not args.no_progress,
                    threads=args.threads)
     best = report["best"]
-    print(f"wrote {out}: best validation HR@10 {best['hr@10']:.4f} at epoch {best['epoch']}, "
-          f"{report['train_minutes']:.1f} min; serve it with: xrec serve --model {out}")
+    chosen = ("the last epoch (--final: no validation)" if best["hr@10"] is None else
+              f"best validation HR@10 {best['hr@10']:.4f} at epoch {best['epoch']}")
+    print(f"wrote {out}: {chosen}, {report['train_minutes']:.1f} min; serve it with: "
+          f"xrec serve --model {out}")
     return 0

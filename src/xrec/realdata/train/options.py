@@ -32,6 +32,7 @@ class TrainOptions:
     valid_beam_width: int = 20
     patience: int = 3              # epochs without a better validation HR@10
     max_minutes: float = 0.0       # stop after the epoch that passes this (0: no limit)
+    final: bool = False            # all `epochs` on every item but the test one, no validation
     seed: int = 0
 
     def __post_init__(self) -> None:

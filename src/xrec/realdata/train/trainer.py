@@ -1,5 +1,7 @@
 """`xrec train`: teacher-forced cross-entropy on itemic-token sequences, validation HR@10
 through the serving engine after each epoch, early stopping, resumable checkpoints.
+`final`: the final fit once validation has chosen the options: every item but the test one
+in training, all `epochs`, no validation (the last epoch is the model).
 
 Files: the run works in `OUT.partial/` (`last/`: the latest epoch, a servable model directory;
 `optimizer.safetensors`: its optimizer state; `best/`: the best epoch so far; `state.json`: where the run
@@ -57,6 +59,8 @@ def train(split: Split, sid_dir: str | Path, out_dir: str | Path, options: Train
 
 class _Run:
     def __init__(self, split, vocab, config, options: TrainOptions, work: Path, log, threads):
+        if options.final:
+            split = split.without_validation()
         self.split, self.vocab, self.config, self.options = split, vocab, config, options
         self.work, self.log, self.threads = work, log, threads
         self.model = TrainableModel.create(config, options.seed)
@@ -169,12 +173,12 @@ class _Run:
             bar.close()
             self.epoch += 1
             self.checkpoint()
-            hr = self.validate()
+            hr = None if o.final else self.validate()
             self.elapsed += time.perf_counter() - started
             entry = {"epoch": self.epoch, "loss": total_loss / max(1, total_targets),
                      "valid_hr@10": hr, "elapsed_s": round(self.elapsed, 1)}
             self.history.append(entry)
-            if self.best is None or hr > self.best["hr@10"]:
+            if self.best is None or hr is None or hr > self.best["hr@10"]:
                 self.best = {"epoch": self.epoch, "hr@10": hr}
                 self.stale = 0
                 shutil.rmtree(self.work / "best", ignore_errors=True)
@@ -182,8 +186,10 @@ class _Run:
             else:
                 self.stale += 1
             self.save_state()
-            self.log(f"epoch {self.epoch}: loss {entry['loss']:.4f}, validation HR@10 {hr:.4f} "
-                     f"({len(self.valid_users)} users), {self.elapsed / 60:.1f} min")
+            validated = ("no validation (final fit)" if hr is None else
+                         f"validation HR@10 {hr:.4f} ({len(self.valid_users)} users)")
+            self.log(f"epoch {self.epoch}: loss {entry['loss']:.4f}, {validated}, "
+                     f"{self.elapsed / 60:.1f} min")
         if self.best is None:
             raise DataError("no epoch finished")
 
