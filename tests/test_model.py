@@ -483,6 +483,32 @@ def test_candidate_logits_in_blocks_are_the_full_logits_gathered(block_bytes):
         _rel_close(model.candidate_logits(hidden, token_ids, block_bytes), want)
 
 
+def test_bf16_scores_keep_float32_precision():
+    """A bfloat16 model's scores are those of its bfloat16 weights and hidden states taken
+    in float32: candidate logits, round-0 logits and the vocabulary's log-sum-exp are
+    within 0.01 of the float64 products (a logit near 30 rounded to bfloat16 is off by up
+    to 0.06, which reordered near-tied items: issue 23's gate)."""
+    from xrec.model.onerec import OneRecModel
+
+    torch.manual_seed(4)
+    model = OneRecModel(MODEL_SIZES["tiny"])
+    torch.nn.init.normal_(model.shared.weight, std=6.0)
+    model = model.to(torch.bfloat16)
+    hidden = torch.randn(16, model.config.d_model).to(torch.bfloat16)
+    weight, scale = model.head_weight()
+    want = (hidden.double() * scale) @ weight.double().T                  # [16, V]
+    assert want.abs().max() > 16                                          # bf16 ulp 0.125 there
+    token_ids = torch.randint(0, model.config.vocab_size, (16, 6))
+    with torch.no_grad():
+        candidates = model.candidate_logits(hidden, token_ids)
+        shared = model.shared_candidate_logits(hidden, token_ids[0])
+        lse = model.logits_logsumexp(hidden, block_vocab=64)
+    assert candidates.dtype == shared.dtype == lse.dtype == torch.float32
+    torch.testing.assert_close(candidates.double(), want.gather(1, token_ids), rtol=0, atol=0.01)
+    torch.testing.assert_close(shared.double(), want[:, token_ids[0]], rtol=0, atol=0.01)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(want, 1), rtol=0, atol=0.01)
+
+
 def test_save_model_round_trip(tmp_path):
     cfg = NAIVE_CONFIGS["moe_absolute_untied"].replace(torch_dtype="bfloat16")
     sd = random_state_dict(cfg, seed=51)

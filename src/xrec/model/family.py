@@ -114,6 +114,11 @@ class RecModel(nn.Module):
         own max. On a GPU each block takes its own max (no host synchronisation). The
         accuracy is that of `torch.logsumexp`. Measurements: docs/decisions.md, Search and
         Decoder-only family.
+
+        A bfloat16 model on a CPU takes each block's products relative to the first block's
+        max (`addmm` of minus that max, rounded once): the logits near the max, which make
+        the sum, keep float32-like precision instead of bfloat16's 2^-9 of their size
+        (docs/decisions.md, bf16 scores). The first block is computed once more for that.
         """
         weight, scale = self.head_weight()
         num_rows, vocab = hidden.shape[0], weight.shape[0]
@@ -124,32 +129,46 @@ class RecModel(nn.Module):
         num_blocks = -(-vocab // block_vocab)
         buffer = torch.empty(block_vocab * block_rows, dtype=hidden.dtype, device=hidden.device)
         parts = torch.empty((num_blocks, num_rows), dtype=torch.float32, device=hidden.device)
-        scaled = hidden * (scale * _LOG2_E)
+        factor = scale * _LOG2_E
+        is_relative = is_host and hidden.dtype != torch.float32
+        # float32: the factor goes into the hidden rows (no pass over a block); a bfloat16
+        # model keeps its hidden rows exact and scales the float32 products instead
+        scaled = hidden if is_relative else hidden * factor
         for start in range(0, num_rows, block_rows):  # blocks of rows and of the vocabulary:
             stop = min(start + block_rows, num_rows)  # a few dozen per round, never per beam
             rows = scaled[start:stop].T                                   # [D, rows]
             scales = None if row_scale is None else row_scale[start:stop]
+            base = None
+            if is_relative:   # the first block's max products, in the model's dtype
+                scales = torch.full((stop - start,), factor, device=hidden.device) \
+                    if scales is None else scales * factor
+                out = buffer[:min(block_vocab, vocab) * (stop - start)].view(-1, stop - start)
+                base = torch.mm(weight[:block_vocab], rows, out=out).amax(dim=0)   # [rows]
             for index, first in enumerate(range(0, vocab, block_vocab)):
                 last = min(first + block_vocab, vocab)
                 out = buffer[:(last - first) * (stop - start)].view(last - first, stop - start)
-                logits = _head_block(weight[first:last], rows, out, scales)    # [v, rows], base 2
+                logits = _head_block(weight[first:last], rows, out, scales, base)  # base 2
                 if index == 0 or not is_host:
                     shift = logits.amax(dim=0)                                 # [rows]
                 part = parts[index, start:stop]
                 _log2_sum_exp2(logits, shift, part)
                 if is_host and bool(part.isinf().any()):  # rare: this block again, own max
-                    logits = _head_block(weight[first:last], rows, out, scales)
+                    logits = _head_block(weight[first:last], rows, out, scales, base)
                     _log2_sum_exp2(logits, logits.amax(dim=0), part)
+                if base is not None:
+                    part.add_(base.float() * scales)
         return torch.logsumexp(parts.mul_(_LN_2), dim=0)
 
     def shared_candidate_logits(self, hidden: torch.Tensor,
                                 token_ids: torch.Tensor | slice) -> torch.Tensor:
         """Logits of ONE set of tokens for every row: `hidden [N, D]`, `token_ids [C]` (or a
         slice of consecutive ids) -> `[N, C]` float32 (round 0: every request's beam sits at
-        the catalog's root)."""
+        the catalog's root). Computed in float32 whatever the model's dtype: one row per
+        request, and a logit rounded to bfloat16 is off by up to 2^-9 of its size, enough
+        to reorder near-tied items (docs/decisions.md, bf16 scores)."""
         weight, scale = self.head_weight()
         rows = weight[token_ids] if isinstance(token_ids, slice) else F.embedding(token_ids, weight)
-        return linear(hidden * scale, rows).float()
+        return linear(hidden.float() * scale, rows.float())
 
     def candidate_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor,
                          block_bytes: int = 2 << 20) -> torch.Tensor:
@@ -158,24 +177,29 @@ class RecModel(nn.Module):
         The gathered head rows `[N, C, D]` are multiplied in place and summed (faster than a
         bmm of N matrix-vectors: docs/decisions.md, Search). On a CPU they go through in
         blocks of about `block_bytes`, so the gather stays in cache instead of faulting in
-        N x C x D fresh values; on a GPU one block covers all rows.
+        N x C x D fresh values; on a GPU one block covers all rows. The products and their
+        sums are float32 whatever the model's dtype: bfloat16 products or logits reordered
+        near-tied items (docs/decisions.md, bf16 scores).
         """
         weight, scale = self.head_weight()
-        scaled = (hidden * scale).unsqueeze(1)                            # [N, 1, D]
+        scaled = (hidden.float() * scale).unsqueeze(1)                    # [N, 1, D]
         num_rows, num_cand = token_ids.shape
-        row_bytes = max(1, num_cand * weight.shape[1] * weight.element_size())
+        row_bytes = max(1, num_cand * weight.shape[1] * 4)
         block = num_rows if hidden.device.type != "cpu" else max(1, block_bytes // row_bytes)
-        out = torch.empty((num_rows, num_cand), dtype=hidden.dtype, device=hidden.device)
+        out = torch.empty((num_rows, num_cand), dtype=torch.float32, device=hidden.device)
         for start in range(0, num_rows, block):  # blocks of rows, a handful per round
-            rows = F.embedding(token_ids[start:start + block], weight)   # [n, C, D]
+            rows = F.embedding(token_ids[start:start + block], weight).float()  # [n, C, D]
             torch.sum(rows.mul_(scaled[start:start + block]), -1, out=out[start:start + block])
-        return out.float()
+        return out
 
 
 def _head_block(weight: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
-                scales: torch.Tensor | None) -> torch.Tensor:
-    """`weight [v, D] @ rows [D, n]` into `out`, float32, times `scales [n]` if given."""
-    logits = torch.mm(weight, rows, out=out).float()
+                scales: torch.Tensor | None, base: torch.Tensor | None = None) -> torch.Tensor:
+    """`weight [v, D] @ rows [D, n]` into `out`, float32, times `scales [n]` if given;
+    with `base [n]`, minus `base` (subtracted inside the product, rounded once)."""
+    products = torch.mm(weight, rows, out=out) if base is None else \
+        torch.addmm(base.neg(), weight, rows, out=out)
+    logits = products.float()
     return logits if scales is None else logits.mul_(scales)
 
 
