@@ -82,9 +82,9 @@ def test_emulation_warning_only_for_bf16_without_hardware():
 
 def test_auto_is_bf16_on_cpus_only_for_the_family_whose_gate_held():
     """Issue 23: "auto" picks bfloat16 on a CPU only for a family whose bf16 quality gate
-    held on a trained model (decoder-only on ML-1M: docs/decisions.md); the
-    encoder-decoder's is not measured yet (no trained model of it worth gating)."""
-    assert QwenModel.cpu_auto_bf16 is True and OneRecModel.cpu_auto_bf16 is False
+    held on a trained model: both families on ML-1M, once the scores kept float32
+    precision (docs/decisions.md)."""
+    assert QwenModel.cpu_auto_bf16 is True and OneRecModel.cpu_auto_bf16 is True
     assert (OneRecModel.family, QwenModel.family) == ("onerec", "qwen")
 
 

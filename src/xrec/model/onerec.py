@@ -147,7 +147,7 @@ class OneRecModel(RecModel):
     """Encoder-decoder with shared embedding, optional decoder MoE, tied or untied LM head."""
 
     family = "onerec"
-    cpu_auto_bf16 = False   # "auto" stays float32 on CPUs until the bf16 gate is measured (issue 23)
+    cpu_auto_bf16 = True    # "auto" is bfloat16 on CPUs with native bf16: the gate held (docs/decisions.md)
 
     def __init__(self, config: ModelConfig):
         super().__init__()
