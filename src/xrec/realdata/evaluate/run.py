@@ -150,12 +150,12 @@ def _notes(options: EvalOptions, has_models: bool) -> list[str]:
                      "ranked here then trained that many epochs on every item but the test "
                      "one (the published protocol's training data); the generative models "
                      "trained without the validation item")
-    if not has_models or options.beam_width >= max(KS):
-        return notes
-    return notes + [f"beam width {options.beam_width} < {max(KS)}: a generative model's ranking holds "
-            f"at most {options.beam_width} items, so its @{max(KS)} metrics are over at most "
-            f"{options.beam_width} items and not comparable with the baselines' or the "
-            f"published ones"]
+    if has_models and options.beam_width < max(KS):
+        notes.append(f"beam width {options.beam_width} < {max(KS)}: a generative model's "
+                     f"ranking holds at most {options.beam_width} items, so its @{max(KS)} "
+                     f"metrics are over at most {options.beam_width} items and not comparable "
+                     f"with the baselines' or the published ones")
+    return notes
 
 
 def _pad(ranked: np.ndarray, k: int) -> np.ndarray:
