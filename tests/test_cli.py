@@ -1,7 +1,12 @@
-"""The `xrec` command line, run as a user would (subprocesses with XREC_HOME in a tmp dir)."""
+"""The `xrec` command line with XREC_HOME in a tmp dir: its `main` in this process, stdout and
+stderr captured (a subprocess per command paid ~3 s of imports each); the process boundary
+itself through the console script, `--help`, the permission and umask tests, and the
+server tests' `xrec serve` processes."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -19,11 +24,26 @@ TIMEOUT_S = 120.0
 ROW = re.compile(r"^\s*(\d+)\s+\((\d+), (\d+), (\d+)\)\s+(-?\d+\.\d+)\s+((?:-?\d+\.\d+\s+){3})(.*)$")
 
 
-def xrec_cli(*args: str, home: Path, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
-    """`python -m xrec.cli ARGS` with the venv's interpreter, XREC_HOME=home."""
-    env = dict(os.environ, XREC_HOME=str(home), PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "xrec.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+def xrec_cli(*args: str, home: Path) -> subprocess.CompletedProcess:
+    """`xrec ARGS` through `xrec.cli.main` in this process, XREC_HOME=home: its exit code
+    (argparse's SystemExit included), stdout and stderr."""
+    from xrec.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = os.environ.get("XREC_HOME")
+    os.environ["XREC_HOME"] = str(home)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+    finally:
+        if saved is None:
+            os.environ.pop("XREC_HOME")
+        else:
+            os.environ["XREC_HOME"] = saved
+    return subprocess.CompletedProcess(["xrec", *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +210,8 @@ def test_catalog_import_through_the_xrec_command(sid_model, home, tmp_path):
 
 
 def test_help(home):
-    proc = xrec_cli("--help", home=home)
+    proc = subprocess.run([sys.executable, "-m", "xrec.cli", "--help"], capture_output=True, text=True,
+                          timeout=TIMEOUT_S, env=dict(os.environ, XREC_HOME=str(home)))
     assert proc.returncode == 0, proc.stderr
     for command in ("serve", "recommend", "make-model", "catalog", "bench"):
         assert command in proc.stdout
