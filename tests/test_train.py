@@ -115,6 +115,26 @@ def test_trained_directory_serves_what_was_trained(split, trained):
         assert best.score == pytest.approx(float(expected), abs=1e-4), family
 
 
+@pytest.mark.parametrize("family", ["qwen3", "onerec"])
+def test_dropout_acts_in_training_only(split, trained, family):
+    """`dropout`: the same initial weights; in training mode a pass drops (two passes differ,
+    and differ from the model without dropout); in eval mode it is the model without."""
+    config = _config(trained[family])
+    vocab = SidVocabulary.read(trained[family], split.data.num_items)
+    batch = [np.array([*prompts(vocab, [split.train[0]], 8)[0], 5, 6, 7])]
+    plain, dropped = (TrainableModel.create(config, seed=0, dropout=p) for p in (0.0, 0.3))
+    for name, tensor in plain.state().items():
+        torch.testing.assert_close(dropped.state()[name], tensor, rtol=0, atol=0)
+    with torch.no_grad():
+        reference = plain.forward(batch)[0].logits
+        first, second = (dropped.forward(batch)[0].logits for _ in range(2))
+        assert not torch.allclose(first, second) and not torch.allclose(first, reference)
+        dropped.hf.eval()
+        torch.testing.assert_close(dropped.forward(batch)[0].logits, reference)
+    with pytest.raises(ValueError, match="dropout: got 1.0"):
+        TrainOptions(dropout=1.0).check()
+
+
 def _config(model_dir):
     from xrec.config import read_model_config
     return read_model_config(model_dir / "config.json")

@@ -21,6 +21,8 @@ _HELP = {
     "heads": "attention heads", "max_items": "history items in a prompt (3 tokens each)",
     "epochs": "most epochs", "batch_size": "sequences per step", "lr": "peak learning rate",
     "weight_decay": "AdamW weight decay", "warmup_steps": "linear warm-up steps",
+    "dropout": "dropout on the embeddings and each attention and feed-forward output "
+               "(training only)",
     "valid_users": "validation users (0: all)",
     "valid_beam_width": "beam width of the validation search",
     "patience": "epochs without a better validation HR@10 before stopping",

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from xrec.config import ModelConfig
 from xrec.model.loader import save_model
@@ -58,17 +59,25 @@ class TrainableModel:
     hf: Any
 
     @classmethod
-    def create(cls, config: ModelConfig | QwenConfig, seed: int) -> TrainableModel:
+    def create(cls, config: ModelConfig | QwenConfig, seed: int, dropout: float = 0.0) -> TrainableModel:
+        """A freshly initialised model; `dropout`: on the embeddings and on each attention and
+        feed-forward output before its residual add (T5's own `dropout_rate`, which also drops
+        attention weights; hooks on Qwen3, which has none). Training only: the written
+        directory has no dropout to turn off."""
         torch.manual_seed(seed)
         if config.is_encoder_decoder:
             from transformers import T5ForConditionalGeneration
 
             from xrec.realdata.train.hf_models import hf_t5_config
-            hf = T5ForConditionalGeneration(hf_t5_config(config))
+            t5_config = hf_t5_config(config)
+            t5_config.dropout_rate = dropout
+            hf = T5ForConditionalGeneration(t5_config)
         else:
             from transformers import AutoConfig, AutoModelForCausalLM
             fields = config.to_dict()
             hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields))
+            if dropout:
+                _residual_dropout(hf, dropout)
         return cls(config, hf.float().train())
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -113,6 +122,20 @@ class TrainableModel:
         labels = torch.as_tensor(np.where(mask == 1, ids, IGNORE))
         out = self.hf(input_ids=torch.as_tensor(ids), labels=labels)
         return out, labels[:, 1:]
+
+
+def _residual_dropout(hf, p: float) -> None:
+    """Dropout on a Hugging Face causal LM's token embeddings and on every attention and MLP
+    output (the first element where a module returns a tuple), in training mode only."""
+    def drop(module, args, output):
+        if isinstance(output, tuple):
+            return (F.dropout(output[0], p, module.training), *output[1:])
+        return F.dropout(output, p, module.training)
+
+    hf.model.embed_tokens.register_forward_hook(drop)
+    for layer in hf.model.layers:
+        layer.self_attn.register_forward_hook(drop)
+        layer.mlp.register_forward_hook(drop)
 
 
 def seq2seq_inputs(windows: list[np.ndarray], start_id: int) -> dict[str, torch.Tensor]:

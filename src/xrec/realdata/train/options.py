@@ -28,6 +28,7 @@ class TrainOptions:
     lr: float | None = None
     weight_decay: float = 0.01
     warmup_steps: int = 200
+    dropout: float = 0.0           # on embeddings and residual branches, training only
     valid_users: int = 1000        # validation HR@10 on this many users (0: all)
     valid_beam_width: int = 20
     patience: int = 3              # epochs without a better validation HR@10
@@ -47,6 +48,8 @@ class TrainOptions:
                      "valid_beam_width", "patience"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: got {getattr(self, name)}, expected >= 1")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout: got {self.dropout}, expected 0 <= dropout < 1")
         if not self.lr > 0:
             raise ValueError(f"lr: got {self.lr}, expected > 0")
         if self.hidden % self.heads:
