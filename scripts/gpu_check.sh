@@ -3,8 +3,10 @@
 # transformers, pytest and hypothesis (nothing is installed there): the CUDA tests of both
 # families, then NVIDIA's gr-inference protocol at full size (issue 24: qwen3-sid-1.7b, bf16,
 # W=256, contexts 1000 and 5000 x batches 1 and 8, HF generate, top-1 vs float32, the online
-# row), then the headline offline cases of both families on the GPU, in float32 (results
-# compared with HF's) and in the engine's default bfloat16. About 6 minutes in all.
+# row; xrec with and without CUDA graphs), then the headline offline cases of both families
+# on the GPU, in float32 (results compared with HF's) and in bfloat16, with the engine's
+# default CUDA graphs and without them (--cuda-graphs false: the rows before graphs).
+# About 7 minutes in all.
 # Usage: bash scripts/gpu_check.sh OUT_DIR   (OUT_DIR receives one JSON per run)
 set -u
 out=${1:?usage: gpu_check.sh OUT_DIR}
@@ -26,5 +28,10 @@ for family in qwen3 onerec; do
       --no-progress --out "$work/$family-$dtype" 2>&1 | grep -v '^ *$' | tail -14
     cp "$work/$family-$dtype"/*.json "$out/$family-$dtype.json" 2>/dev/null
   done
+  echo "== $family bfloat16, eager (${SECONDS}s so far)"
+  timeout 60 python3 -m xrec.cli bench offline --family "$family" --case targets --device cuda \
+    --dtype bfloat16 --cuda-graphs false --contenders xrec,xrec-full --repeats 10 \
+    --no-progress --out "$work/$family-eager" 2>&1 | grep -v '^ *$' | tail -8
+  cp "$work/$family-eager"/*.json "$out/$family-bfloat16-eager.json" 2>/dev/null
 done
 echo "== done (${SECONDS}s)"

@@ -87,9 +87,11 @@ def qwen_requests(config, rng, catalog: ItemCatalog) -> list[RecRequest]:
     ]
 
 
-def step_batch(requests, config, catalog: ItemCatalog | None, history: tuple[int, ...] = ()):
+def step_batch(requests, config, catalog: ItemCatalog | None, history: tuple[int, ...] = (),
+               pad_lengths: bool = False):
     """The requests as one `StepBatch`, their filters resolved on `catalog`; the requests
-    `history` names exclude their prompt's items (validation wants a tokenizer for that)."""
+    `history` names exclude their prompt's items (validation wants a tokenizer for that);
+    `pad_lengths`: as `prepare_batch`'s."""
     valid = [validate(r, limits_of(config)) for r in requests]
     valid = [dataclasses.replace(v, exclude_history=True) if i in history else v
              for i, v in enumerate(valid)]
@@ -100,7 +102,7 @@ def step_batch(requests, config, catalog: ItemCatalog | None, history: tuple[int
                                   v.token_ids if v.exclude_history else None)
                     if v.has_filter else None for v in valid]
         filters = SearchFilter.of(resolved, catalog.trie().sizes)
-    return prepare_batch(valid, config.d_model, filters=filters)
+    return prepare_batch(valid, config.d_model, filters=filters, pad_lengths=pad_lengths)
 
 
 def run_on_meta(config, catalog: ItemCatalog | None, batch, rounds: int = 3):
@@ -251,8 +253,8 @@ def test_executor_pipelines_reuse_their_workspace_across_batches():
         step, seen = engine.step, []
         run = step.run
 
-        def spy(batch, workspace=None, before_round=None):
-            output = run(batch, workspace, before_round)
+        def spy(batch, workspace=None, before_round=None, graphs=None):
+            output = run(batch, workspace, before_round, graphs)
             seen.append((workspace, workspace.addresses()))
             return output
 

@@ -43,3 +43,27 @@ def test_cuda_bfloat16_serves(model_dir):
                                 device="cuda") as engine:   # auto dtype: bfloat16
         responses = engine.recommend(_requests())
     assert all(r.results for r in responses)
+
+
+def test_cuda_graphs_replay_the_eager_answers(model_dir):
+    """Option cuda_graphs (search/graphs.py): batches of one bucket on 2 pipelines, captured
+    and replayed, answer as the eager engine does; the counters say graphs ran."""
+    rng = np.random.default_rng(3)
+    batches = [[RecRequest(token_ids=rng.integers(0, 64, 6).tolist(), beam_width=16)
+                for _ in range(2)] for _ in range(8)]
+    answers = {}
+    for graphs in (False, True):
+        with Engine.from_pretrained(model_dir, isolation="thread", device="cuda", dtype="float32",
+                                    max_concurrency=2, max_seqs_per_batch=2,
+                                    cuda_graphs=graphs) as engine:
+            answers[graphs] = [engine.recommend(batch) for batch in batches]
+            stats = engine.stats()
+        if graphs:
+            assert stats.graph_captures >= 1 and stats.graph_replays >= 1, stats
+        else:
+            assert (stats.graph_captures, stats.graph_replays) == (0, 0)
+    for got, want in zip(answers[True], answers[False]):
+        for a, e in zip(got, want):
+            assert [c.tokens for c in a.results] == [c.tokens for c in e.results]
+            np.testing.assert_allclose([c.score for c in a.results], [c.score for c in e.results],
+                                       atol=1e-5)

@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     offline = sub.add_parser("offline", help="requests/s and latency of a batch vs HF generate")
     common(offline)
+    offline.add_argument("--cuda-graphs", default=None, choices=("true", "false"),
+                         help="the engine's option cuda_graphs (default: on for CUDA): false "
+                              "launches every round from Python (the rows before graphs)")
     contenders(offline, "xrec,xrec-full,hf,naive; xrec,xrec-full,hf for --case; xrec,xrec-filter "
                         "for --case filter; xrec-eager,hf for --case gr-inference")
     offline.add_argument("--case", choices=("target1", "target2", "targets", "filter",

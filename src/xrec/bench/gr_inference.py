@@ -6,9 +6,10 @@ and its catalog are built in memory on the device (`Engine.from_random`: nothing
 Prefix cache off: xrec has none, every batch computes its prompts' K/V anew. Per (context,
 batch), the contenders run interleaved after their warm-up (`runner.run_point`):
 
-* `xrec-graphs`: the engine with CUDA graphs; a slot that says why it did not run while the
-  build has no `cuda_graphs` engine option (never a number that was not measured);
-* `xrec-eager`: `Engine.submit_many` of the batch with `normalize="full"` (the log-softmax
+* `xrec-graphs`: the engine with its decode rounds captured as CUDA graphs (option
+  `cuda_graphs`, on by default on CUDA); a slot that says why it did not run on a CPU;
+* `xrec-eager`: the same with `cuda_graphs=False`, every round launched from Python;
+  `Engine.submit_many` of the batch with `normalize="full"` (the log-softmax
   over the whole vocabulary, as HF `generate` and NVIDIA's search normalise);
 * `hf`: `generate` with the same catalog trie (`prefix_allowed_tokens_fn`) on the same
   weights in the same dtype, at the first context and the smallest batch only (it repeats
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from xrec.bench.lib import online
@@ -93,10 +94,6 @@ def protocol_of(args: argparse.Namespace) -> Protocol:
 
 def graphs_unavailable(device: str) -> str | None:
     """Why the xrec-graphs slot cannot run here; None when it can."""
-    from xrec.config import EngineOptions
-
-    if "cuda_graphs" not in {f.name for f in fields(EngineOptions)}:
-        return "not available: no cuda_graphs option in this build"
     if not device.startswith("cuda"):
         return "not available: CUDA graphs need a CUDA device"
     return None
@@ -140,7 +137,7 @@ def load(protocol: Protocol, args: argparse.Namespace) -> Loaded:
         torch.set_num_threads(args.threads)
     options = engine_options(protocol, args)
     eager = Engine.from_random(protocol.size, args.seed, args.items, sizes=BENCH_SIZES,
-                               dtype=protocol.dtype, **options)
+                               dtype=protocol.dtype, cuda_graphs=False, **options)
     engines = [eager]
     try:
         # the reference: the same weights upcast (a float32 load of the bf16 checkpoint)
@@ -148,11 +145,11 @@ def load(protocol: Protocol, args: argparse.Namespace) -> Loaded:
         model32.load_state_dict({k: v.float() for k, v in eager.model.state_dict().items()},
                                 assign=True)
         fp32 = Engine(model32, eager.catalog, EngineOptions.from_kwargs(
-            **options, dtype="float32", max_concurrency=1), "xrec-fp32")
+            **options, dtype="float32", max_concurrency=1, cuda_graphs=False), "xrec-fp32")
         engines.append(fp32)
         contenders: dict[str, Any] = {}
         reason = graphs_unavailable(args.device)
-        if reason is None:   # the same model, captured (the option's engine, once it exists)
+        if reason is None:   # the same model, its decode rounds captured
             graphs = Engine(eager.model, eager.catalog, EngineOptions.from_kwargs(
                 **options, dtype=protocol.dtype, cuda_graphs=True), GRAPHS)
             engines.append(graphs)

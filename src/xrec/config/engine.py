@@ -46,6 +46,10 @@ class EngineOptions:
                                          # (glibc thresholds, process-wide; engine/host.py). None:
                                          # in processes that exist to serve (xrec serve, xrec
                                          # batch, isolation="process", Ray); True: also in a host's
+                                         # process (an engine embedded in an application)
+    cuda_graphs: bool | None = None      # capture each pipeline's decode rounds per bucket and
+                                         # replay them (search/graphs.py); None: on for CUDA;
+                                         # true needs a CUDA device
 
     def __post_init__(self) -> None:
         ranges = {"max_seqs_per_batch": (1, 1 << 16), "max_tokens_per_batch": (1, 1 << 30),
@@ -77,6 +81,9 @@ class EngineOptions:
         if self.retain_host_memory is not None and not isinstance(self.retain_host_memory, bool):
             raise ValueError(f"option retain_host_memory: got {self.retain_host_memory!r}, "
                              "allowed: true, false, or None (where the engine owns its process)")
+        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"option cuda_graphs: got {self.cuda_graphs!r}, allowed: true, false, "
+                             "or None (on for CUDA)")
         if self.normalize not in ("allowed", "full"):
             raise ValueError(f"option normalize: got {self.normalize!r}, allowed: 'allowed', 'full'")
         if self.dtype not in ("auto",) + DTYPES:

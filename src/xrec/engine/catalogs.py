@@ -156,9 +156,12 @@ class CatalogSlots:
 
 
 def serve_catalog(catalog: ItemCatalog | None, source: str | None, model: RecModel, rounds: int,
-                  is_constrained: bool, tokenizer: PromptTokenizer | None) -> ServedCatalog:
+                  is_constrained: bool, tokenizer: PromptTokenizer | None,
+                  pad_lengths: bool = False) -> ServedCatalog:
     """Everything the pipelines derive from `catalog` (None: free decoding), checked against
-    the model, its tokenizer and the engine's `rounds` (`ValueError` naming what does not fit)."""
+    the model, its tokenizer and the engine's `rounds` (`ValueError` naming what does not fit).
+    `pad_lengths`: the pipelines pad inputs for captured decode rounds (the workspace
+    estimate counts the padding)."""
     config = model.config
     if catalog is not None:
         bad = first_bad_token(catalog.triples, config.vocab_size)
@@ -176,7 +179,7 @@ def serve_catalog(catalog: ItemCatalog | None, source: str | None, model: RecMod
     step = RecStep(model, tables, rounds)
     widest = max(tables.max_children[1:], default=1) if tables else config.vocab_size
     num_nodes = sum(len(tokens) for tokens in tables.tokens) if tables else 0
-    workspace = WorkspaceModel(config, model.dtype.itemsize, widest, rounds, num_nodes)
+    workspace = WorkspaceModel(config, model.dtype.itemsize, widest, rounds, num_nodes, pad_lengths)
     version = None if catalog is None else CatalogVersion(
         catalog.content_hash(), catalog.num_items, time.time(), source, catalog.is_extended)
     return ServedCatalog(catalog, step, workspace, version)

@@ -37,6 +37,7 @@ from xrec.model.family import RecModel
 from xrec.model.loader import load_model
 from xrec.model.random_init import random_model
 from xrec.model.registry import model_class
+from xrec.search.graphs import CudaGraphs, DecodeGraphs
 from xrec.search.step import RecStep
 from xrec.search.workspace import WorkspaceModel
 from xrec.tokenizer import PromptTokenizer
@@ -86,6 +87,7 @@ class Engine(EngineFrontend):
             logger.warning(warning)
         if device.type == "cpu" and options.retain_host_memory:
             retain_freed_memory()
+        self.uses_graphs = _uses_graphs(options, model)
         # fixed for the engine's life: a catalog loaded later constrains iff this one did
         self.is_constrained = catalog is not None if options.constrained is None else options.constrained
         if self.is_constrained and catalog is None:
@@ -117,7 +119,7 @@ class Engine(EngineFrontend):
         self.executor = executor = Executor(
             model, num_pipelines, threads, answers,
             functools.partial(_batch_done, scheduler, self._report_hooks, answers_as_data),
-            options.adaptive_threads)
+            options.adaptive_threads, _cuda_graphs if self.uses_graphs else None)
         self.num_pipelines = num_pipelines
         self._closed = threading.Event()
         scheduler.start()
@@ -265,7 +267,7 @@ class Engine(EngineFrontend):
 
     def _serve_catalog(self, catalog: ItemCatalog | None, source: str | None) -> ServedCatalog:
         return serve_catalog(catalog, source, self.model, self.options.rounds, self.is_constrained,
-                             self.tokenizer)
+                             self.tokenizer, self.uses_graphs)
 
     # ---- lifecycle ---------------------------------------------------------
 
@@ -303,7 +305,24 @@ class Engine(EngineFrontend):
                            self.workspace_per_pipeline * self.num_pipelines,
                            executor.workspace_bytes_in_use, self.catalog_version,
                            not self._closed.is_set() and scheduler.is_running,
-                           executor.cpu_threads)
+                           executor.cpu_threads, *executor.graph_counts)
+
+
+def _uses_graphs(options: EngineOptions, model: RecModel) -> bool:
+    """Option `cuda_graphs` resolved: on for CUDA and a capturable model unless false; true
+    needs both."""
+    if options.cuda_graphs and model.device.type != "cuda":
+        raise ValueError(f"option cuda_graphs=true needs a CUDA device, got {model.device}")
+    if options.cuda_graphs and not model.is_capturable:
+        raise ValueError("option cuda_graphs=true: this model's mixture of experts reads its "
+                         "per-expert token counts on the host, so its rounds cannot be captured")
+    if options.cuda_graphs is None:
+        return model.device.type == "cuda" and model.is_capturable
+    return options.cuda_graphs
+
+
+def _cuda_graphs() -> DecodeGraphs:
+    return DecodeGraphs(CudaGraphs())
 
 
 def _batch_done(scheduler: FixedStepsScheduler, hooks: list[Callable[[BatchReport], None]],

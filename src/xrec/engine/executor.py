@@ -34,6 +34,7 @@ from xrec.errors import DeadlineExceeded, Internal, Unavailable, XrecError
 from xrec.model.family import RecModel
 from xrec.search.batch import prepare_batch
 from xrec.search.filters import SearchFilter
+from xrec.search.graphs import DecodeGraphs
 from xrec.search.workspace_buffers import Workspace
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,21 @@ class _Stopped(Exception):
         self.error = error
 
 
+@dataclass
+class _Pipeline:
+    """What one pipeline thread owns: its CUDA stream (None on a CPU), its workspace, its
+    CPU cores policy and its captured decode rounds (made before its first batch)."""
+
+    stream: torch.cuda.Stream | None
+    workspace: Workspace
+    cores: FollowFreeCores | None
+    graphs: DecodeGraphs | None = None
+
+
+def _on(stream: torch.cuda.Stream | None):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
 @dataclass(frozen=True)
 class AnswerSettings:
     """How a batch's answers are built: item conversion thresholds (spec: each / total
@@ -66,16 +82,24 @@ class Executor:
     `threads_per_pipeline` intra-op threads on a CPU (None: torch's default), fewer while
     other processes take cores (`adaptive_threads`, engine/threads.py `FollowFreeCores`).
 
+    `make_graphs`: each pipeline's captured decode rounds (search/graphs.py), made on its
+    thread before its first batch (None: every round eager; settable until then); batches
+    are then padded to `padded_len` so that fewer shapes come.
+
     Test seams: `fault` (called with the batch before it runs; may raise) and `clock`
     (the time base of deadlines and of when a batch's answers are ready: the scheduler's).
-    `num_rounds_run` counts the rounds the pipelines have started, all batches together.
+    `num_rounds_run` counts the rounds the pipelines have started, all batches together
+    (a replayed batch's decode rounds count as started when the replay is queued).
     """
 
     def __init__(self, model: RecModel, num_pipelines: int, threads_per_pipeline: int | None,
                  answers: AnswerSettings,
                  on_done: Callable[[EngineBatch, BatchReport[ResponseData]], None],
-                 adaptive_threads: bool | None = None):
+                 adaptive_threads: bool | None = None,
+                 make_graphs: Callable[[], DecodeGraphs] | None = None):
         self.model, self.answers, self.on_done = model, answers, on_done
+        self.make_graphs = make_graphs
+        self._graphs: list[DecodeGraphs] = []   # each pipeline's, appended by its thread
         self.threads_per_pipeline = threads_per_pipeline
         self.adaptive_threads = adaptive_threads
         self.fault: Callable[[EngineBatch], None] | None = None
@@ -107,6 +131,12 @@ class Executor:
     def cpu_threads(self) -> int:
         """The intra-op threads the CPU pipelines run their batches on now (0 on a GPU)."""
         return sum(cores.current for cores in list(self._cores))
+
+    @property
+    def graph_counts(self) -> tuple[int, int]:
+        """Captures and replays of decode rounds, all pipelines together."""
+        graphs = list(self._graphs)
+        return sum(g.num_captures for g in graphs), sum(g.num_replays for g in graphs)
 
     @property
     def num_rounds_run(self) -> int:
@@ -156,24 +186,27 @@ class Executor:
             self._cores.append(cores)
         # Each pipeline owns its stream; everything of a batch is queued on it.
         stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-        workspace = Workspace(device)  # this pipeline's reusable buffers, used on its stream only
-        while self._serve_one(stream, workspace, cores):
+        pipe = _Pipeline(stream, Workspace(device), cores)
+        while self._serve_one(pipe):
             pass
 
-    def _serve_one(self, stream: torch.cuda.Stream | None, workspace: Workspace,
-                   cores: FollowFreeCores | None) -> bool:
+    def _serve_one(self, pipe: _Pipeline) -> bool:
         """Run the next batch (False: close). Its catalog is referenced by this frame only,
         so it is let go when the batch is done (a catalog load waits for that)."""
         batch = self._work.get()
         if batch is None:
             return False
-        if cores is not None:
-            cores.follow()
+        if pipe.cores is not None:
+            pipe.cores.follow()
+        if pipe.graphs is None and self.make_graphs is not None:
+            with _on(pipe.stream):
+                pipe.graphs = self.make_graphs()   # its memory pool, on this pipeline's device
+            self._graphs.append(pipe.graphs)
         with self._busy_lock:
             self._busy += 1
             self._bytes_in_use += batch.workspace_bytes
         try:
-            report = self._run(batch, stream, workspace)
+            report = self._run(batch, pipe)
         finally:
             with self._busy_lock:
                 self._busy -= 1
@@ -181,8 +214,7 @@ class Executor:
         self.on_done(batch, report)
         return True
 
-    def _run(self, batch: EngineBatch, stream: torch.cuda.Stream | None,
-             workspace: Workspace) -> BatchReport[ResponseData]:
+    def _run(self, batch: EngineBatch, pipe: _Pipeline) -> BatchReport[ResponseData]:
         started = self.clock()
         scheduled = batch.requests
         queue_s = tuple(started - r.enqueued_at for r in scheduled)
@@ -197,16 +229,17 @@ class Executor:
             if runs:
                 requests = [scheduled[i].request for i in runs]
                 filters = [answers[i] for i in runs]
-                is_pinned = stream is not None
+                is_pinned = pipe.stream is not None
                 step_batch = prepare_batch(requests, self.model.config.d_model, is_pinned,
                                            SearchFilter.of(filters, served.trie_sizes, is_pinned)
-                                           if any(filters) else None)
-                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                                           if any(filters) else None, pipe.graphs is not None)
+                with _on(pipe.stream):
                     deadlines = [r.deadline for r in batch.requests]
                     last_deadline = None if None in deadlines else max(deadlines)
                     output = served.step.run(
-                        step_batch, workspace,
-                        lambda r: self._before_round(batch.catalog.step.rounds, last_deadline, r))
+                        step_batch, pipe.workspace,
+                        lambda r: self._before_round(batch.catalog.step.rounds, last_deadline, r),
+                        pipe.graphs)
                 run_ms = ms(self.clock() - started)
                 settings = self.answers
                 done = response_data(output, requests, served.catalog,

@@ -41,6 +41,8 @@ class EngineStats:
     catalog_version: CatalogVersion | None   # the catalog new batches run on
     is_serving: bool = True            # takes new work: not closed, its scheduler running
     cpu_threads: int = 0               # CPU intra-op threads of all pipelines now (0: GPU)
+    graph_captures: int = 0            # decode rounds captured (option cuda_graphs), all pipelines
+    graph_replays: int = 0             # batches whose decode rounds were replayed
 
 
 class EngineFrontend:

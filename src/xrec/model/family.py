@@ -82,6 +82,12 @@ class RecModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.head_weight()[0].dtype
 
+    @property
+    def is_capturable(self) -> bool:
+        """No module reads a tensor value on the host in a step (`reads_host_values`: the
+        mixtures of experts), so its decode rounds can be captured as a CUDA graph."""
+        return not any(getattr(m, "reads_host_values", False) for m in self.modules())
+
     def new_beam_kv(self, num_batch: int, num_beams: int, rounds: int,
                     allocate: Allocate | None = None) -> BeamKV:
         """The per-beam K/V of a batch (`allocate`: a pipeline's reusable workspace)."""

@@ -45,4 +45,6 @@ class ModelInputs:
 
     @property
     def is_ragged(self) -> bool:
-        return min(self.lengths) != max(self.lengths)
+        """Some request is shorter than the padded length (a batch may be padded beyond its
+        longest request: `prepare_batch(pad_len=...)`)."""
+        return min(self.lengths) != self.token_ids.shape[1]

@@ -54,6 +54,8 @@ class ExpertFFN(nn.Module):
 class MoE(nn.Module):
     """OneRec's routed experts plus optional shared experts (one FFN `moe_inter_dim × num_shared` wide)."""
 
+    reads_host_values = True   # per-expert token counts (`run_experts`): not capturable
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         d = config.d_model
@@ -78,6 +80,8 @@ class MoE(nn.Module):
 
 class SparseMoE(nn.Module):
     """Qwen3-MoE's block, Hugging Face names: `gate` (router), `experts.E.{gate,up,down}_proj`."""
+
+    reads_host_values = True   # per-expert token counts (`run_experts`): not capturable
 
     def __init__(self, config: QwenConfig):
         super().__init__()

@@ -10,6 +10,7 @@ import torch
 
 from xrec.model.inputs import ModelInputs
 from xrec.search.filters import SearchFilter
+from xrec.search.workspace import padded_len
 
 
 class SearchRequest(Protocol):
@@ -55,10 +56,11 @@ class StepBatch:
 
 
 def prepare_batch(requests: Sequence[SearchRequest], d_model: int, pin_memory: bool = False,
-                  filters: SearchFilter | None = None) -> StepBatch:
+                  filters: SearchFilter | None = None, pad_lengths: bool = False) -> StepBatch:
     """Pad a batch of requests into one `StepBatch` (pinned for a CUDA copy); `filters`:
-    their item filters (`SearchFilter.of`)."""
-    num_len = max(r.input_len for r in requests)
+    their item filters (`SearchFilter.of`). `pad_lengths`: pad the inputs to
+    `padded_len` of the longest (fewer shapes for captured decode rounds)."""
+    num_len = padded_len(max(r.input_len for r in requests), pad_lengths)
     token_ids = np.zeros((len(requests), num_len), dtype=np.int64)         # [B, L]
     embedding_rows = [i for i, r in enumerate(requests) if r.sparse_embedding is not None]
     embeddings = np.zeros((len(embedding_rows), num_len, d_model), dtype=np.float32) \

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from xrec.catalog import ConstraintTables
 from xrec.model.family import RecModel
+from xrec.model.kv import BeamKV
 from xrec.search.batch import StepBatch
 from xrec.search.filters import SearchFilter
 from xrec.search.workspace_buffers import Workspace
@@ -35,6 +37,38 @@ class StepOutput:
     scores: np.ndarray          # [B, N] float32
     token_logprobs: np.ndarray  # [B, N, R] float32
     num_results: list[int]
+
+
+@dataclass(frozen=True, eq=False)
+class DecodeState:
+    """What the decode rounds of a batch read (round 0 leaves it): the model's context
+    (cross / prefix / prompt K/V), each beam's trie node, score, tokens and log-probs so
+    far, and the batch's settings. Its tensors and host values are all a captured graph
+    depends on (search/graphs.py keys graphs by them)."""
+
+    context: Any
+    nodes: torch.Tensor           # [B, W] int64
+    scores: torch.Tensor          # [B, W] float32
+    tokens: torch.Tensor          # [B, W, r] int64
+    logprobs: torch.Tensor        # [B, W, r] float32
+    widths: torch.Tensor | None   # per-request beam widths (None: all equal)
+    results: torch.Tensor | None  # per-request result counts (None: all equal)
+    rows: "_Rows"
+    filters: SearchFilter | None
+    allocate: Callable | None     # the pipeline's workspace (`Workspace.take`)
+    num_beams: int
+    num_out: int
+
+    @property
+    def num_batch(self) -> int:
+        return self.nodes.shape[0]
+
+
+class DecodeRunner(Protocol):
+    """Runs a batch's decode rounds another way (search/graphs.py `DecodeGraphs`: captured)."""
+
+    def run(self, step: RecStep, state: DecodeState, workspace: Workspace | None,
+            before_round: Callable[[int], None] | None) -> DeviceOutput: ...
 
 
 @dataclass(frozen=True)
@@ -69,69 +103,100 @@ class RecStep:
         self.root_children = _root_children(tables) if tables is not None else None
 
     def run(self, batch: StepBatch, workspace: Workspace | None = None,
-            before_round: Callable[[int], None] | None = None) -> StepOutput:
+            before_round: Callable[[int], None] | None = None,
+            graphs: DecodeRunner | None = None) -> StepOutput:
         """All rounds of `batch`, results on the host. `workspace`: the calling pipeline's
         reusable buffers (None: fresh buffers for this batch only). `before_round(r)` is
         called on the host before round r (round 0 includes the prefill); what it raises
         stops the batch there, between rounds. It reads no device value, so on CUDA it adds
-        no synchronisation: it stops the rounds not yet queued."""
-        output = self.run_on_device(batch, workspace, before_round)
+        no synchronisation: it stops the rounds not yet queued. `graphs`: see
+        `run_on_device`."""
+        output = self.run_on_device(batch, workspace, before_round, graphs)
         return _to_host(output, batch.num_results)
 
     @torch.inference_mode()
     def run_on_device(self, batch: StepBatch, workspace: Workspace | None = None,
-                      before_round: Callable[[int], None] | None = None) -> DeviceOutput:
+                      before_round: Callable[[int], None] | None = None,
+                      graphs: DecodeRunner | None = None) -> DeviceOutput:
         """`run` without the copy back: the capturable part of a step (docs/beam-search.md,
         Capturable step). No tensor value is read on the host: what the rounds decide
         stays on the device, and every shape and branch follows from the batch's host-side
-        settings and the catalog's host-side facts (`ConstraintTables.max_children`)."""
+        settings and the catalog's host-side facts (`ConstraintTables.max_children`).
+        `graphs`: the calling pipeline's captured decode rounds (search/graphs.py); round 0
+        (the prompt or encoder) always runs eagerly."""
+        state = self.first_round(batch, workspace, before_round)
+        if self.rounds == 1:
+            return DeviceOutput(state.tokens, state.scores, state.logprobs)
+        if graphs is not None:
+            return graphs.run(self, state, workspace, before_round)
+        return self.decode_rounds(state, before_round)
+
+    def first_round(self, batch: StepBatch, workspace: Workspace | None = None,
+                    before_round: Callable[[int], None] | None = None) -> DecodeState:
+        """Round 0: the prompt or encoder pass and the first tokens; what the decode rounds
+        read next."""
         model, device = self.model, self.device
         num_batch = batch.num_requests
-        widths = _widths(batch.beam_widths, device)
-        results = _widths(batch.num_results, device)
-        num_beams, num_out = max(batch.beam_widths), max(batch.num_results)
         temps = None if all(t in (0.0, 1.0) for t in batch.temperatures) else \
             torch.tensor([t or 1.0 for t in batch.temperatures], device=device).view(-1, 1, 1)
-        rows = _Rows(batch.full_rows, num_batch, device, temps)
-        filters = None if batch.filters is None else batch.filters.to(device)
-        allocate = None if workspace is None else workspace.take
+        state = DecodeState(
+            context=None, nodes=torch.zeros((num_batch, 1), dtype=torch.long, device=device),
+            scores=torch.zeros((num_batch, 1), device=device),
+            tokens=torch.zeros((num_batch, 1, 0), dtype=torch.long, device=device),
+            logprobs=torch.zeros((num_batch, 1, 0), device=device),
+            widths=_widths(batch.beam_widths, device), results=_widths(batch.num_results, device),
+            rows=_Rows(batch.full_rows, num_batch, device, temps),
+            filters=None if batch.filters is None else batch.filters.to(device),
+            allocate=None if workspace is None else workspace.take,
+            num_beams=max(batch.beam_widths), num_out=max(batch.num_results))
+        if before_round is not None:
+            before_round(0)
+        last, context = model.prefill(batch.inputs, state.allocate)        # [B, D], shared state
+        return self._select(state, last.unsqueeze(1), 0, None, context)
 
-        nodes = torch.zeros((num_batch, 1), dtype=torch.long, device=device)
-        scores = torch.zeros((num_batch, 1), device=device)
-        tokens = torch.zeros((num_batch, 1, 0), dtype=torch.long, device=device)
-        logprobs = torch.zeros((num_batch, 1, 0), device=device)
+    def decode_rounds(self, state: DecodeState,
+                      before_round: Callable[[int], None] | None = None) -> DeviceOutput:
+        """Rounds 1 .. R-1 from the state round 0 left: every kernel a graph captures. The
+        beam K/V comes from the state's `allocate` (the pipeline's workspace)."""
         beams = None
-        for round_index in range(self.rounds):
+        for round_index in range(1, self.rounds):
             if before_round is not None:
                 before_round(round_index)
-            is_last = round_index == self.rounds - 1
-            keep = num_out if is_last else num_beams
-            if round_index == 0:
-                last, context = model.prefill(batch.inputs, allocate)        # [B, D], shared state
-                step_hidden = last.unsqueeze(1)                            # [B, 1, D]
-            else:
-                if beams is None:
-                    beams = model.new_beam_kv(num_batch, num_beams, self.rounds, allocate)
-                step_hidden = model.decode_step(tokens[:, :, -1], round_index, context,
-                                                beams)                     # [B, W, D]
-            lp, cand_tokens, first = self._candidates(step_hidden, nodes, round_index, keep, rows,
-                                                      filters)
-            num_cand = lp.shape[-1]
-            cand_scores = (scores.unsqueeze(-1) + lp).flatten(1)           # [B, W*C]
-            scores, flat = select_top(cand_scores, keep)                   # [B, keep]
-            scores = mask_beyond(scores, results if is_last else widths)
-            parents, child = flat // num_cand, flat % num_cand
-            chosen = cand_tokens.flatten(1).gather(1, flat)                # [B, keep]
-            chosen_lp = lp.flatten(1).gather(1, flat)
-            tokens = torch.cat([follow_parents(tokens, parents), chosen.unsqueeze(-1)], dim=-1)
-            logprobs = torch.cat([follow_parents(logprobs, parents), chosen_lp.unsqueeze(-1)], dim=-1)
-            if first is not None:
-                level_size = len(self.tables.tokens[round_index])
-                nodes = (first.gather(1, parents) + child).clamp(max=level_size - 1)
-            if beams is not None and not is_last:
-                offsets = torch.arange(num_batch, device=device).unsqueeze(1) * num_beams
-                beams.reorder((parents + offsets).flatten(), num_written=round_index)
-        return DeviceOutput(tokens, scores, logprobs)
+            if beams is None:
+                beams = self.model.new_beam_kv(state.num_batch, state.num_beams, self.rounds,
+                                               state.allocate)
+            step_hidden = self.model.decode_step(state.tokens[:, :, -1], round_index,
+                                                 state.context, beams)     # [B, W, D]
+            state = self._select(state, step_hidden, round_index, beams)
+        return DeviceOutput(state.tokens, state.scores, state.logprobs)
+
+    def _select(self, state: DecodeState, step_hidden: torch.Tensor, round_index: int,
+                beams: BeamKV | None, context: Any = None) -> DecodeState:
+        """One round's constrained top-k over `step_hidden [B, W, D]`, the beams' update and
+        (between decode rounds) the beam K/V reorder."""
+        is_last = round_index == self.rounds - 1
+        keep = state.num_out if is_last else state.num_beams
+        lp, cand_tokens, first = self._candidates(step_hidden, state.nodes, round_index, keep,
+                                                  state.rows, state.filters)
+        num_cand = lp.shape[-1]
+        cand_scores = (state.scores.unsqueeze(-1) + lp).flatten(1)       # [B, W*C]
+        scores, flat = select_top(cand_scores, keep)                       # [B, keep]
+        scores = mask_beyond(scores, state.results if is_last else state.widths)
+        parents, child = flat // num_cand, flat % num_cand
+        chosen = cand_tokens.flatten(1).gather(1, flat)                    # [B, keep]
+        chosen_lp = lp.flatten(1).gather(1, flat)
+        tokens = torch.cat([follow_parents(state.tokens, parents), chosen.unsqueeze(-1)], dim=-1)
+        logprobs = torch.cat([follow_parents(state.logprobs, parents), chosen_lp.unsqueeze(-1)],
+                             dim=-1)
+        nodes = state.nodes
+        if first is not None:
+            level_size = len(self.tables.tokens[round_index])
+            nodes = (first.gather(1, parents) + child).clamp(max=level_size - 1)
+        if beams is not None and not is_last:
+            offsets = torch.arange(state.num_batch, device=self.device).unsqueeze(1) * state.num_beams
+            beams.reorder((parents + offsets).flatten(), num_written=round_index)
+        return replace(state, nodes=nodes, scores=scores, tokens=tokens, logprobs=logprobs,
+                       context=state.context if context is None else context)
 
     def _candidates(self, hidden: torch.Tensor, nodes: torch.Tensor, level: int, keep: int,
                     rows: "_Rows", filters: SearchFilter | None,

@@ -17,6 +17,16 @@ from typing import Sequence
 from xrec.config import FamilyConfig
 
 
+def padded_len(length: int, pad: bool = True) -> int:
+    """The input length a batch is padded to when its decode rounds are captured (graphs
+    are keyed by shape): 8 lengths per power of two, so at most 1/8 more positions
+    (e.g. 151 -> 160, 1000 -> 1024), and at least a multiple of 8."""
+    if not pad:
+        return length
+    step = max(8, 1 << max(0, length.bit_length() - 4))
+    return -(-length // step) * step
+
+
 @dataclass(frozen=True)
 class BatchShape:
     """The sizes that drive a batch's memory: padded to its longest request."""
@@ -52,10 +62,12 @@ class WorkspaceModel:
     max_children: int          # widest catalog node after the first level (vocab when unconstrained)
     rounds: int
     num_nodes: int = 0         # nodes of the catalog's trie, all depths (0 when unconstrained)
+    pad_lengths: bool = False  # inputs padded to `padded_len` (captured decode rounds)
 
     def batch_bytes(self, shape: BatchShape) -> int:
         cfg, elem = self.config, self.dtype_bytes
-        num_b, num_l, num_w = shape.num_requests, shape.max_input_len, shape.max_beam_width
+        num_b, num_w = shape.num_requests, shape.max_beam_width
+        num_l = padded_len(shape.max_input_len, self.pad_lengths)
         context = cfg.context_bytes(num_b, num_l, shape.max_prefix_len, elem)
         beams = num_b * num_w
         layers, kv_heads, head_dim = cfg.beam_kv_shape

@@ -30,6 +30,10 @@ class Workspace:
             self._buffers[(name, dtype)] = buffer
         return buffer[:numel].view(shape)
 
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The buffers themselves (a captured graph holds them: it reads their addresses)."""
+        return tuple(self._buffers.values())
+
     def addresses(self) -> dict[tuple[str, torch.dtype], int]:
         """Each buffer's address (`data_ptr`), by name and dtype."""
         return {key: buffer.data_ptr() for key, buffer in self._buffers.items()}

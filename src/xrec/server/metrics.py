@@ -14,6 +14,9 @@ The served catalog (hot reload, `server/admin.py`) is read when scraped:
 the three without a catalog); `xrec_catalog_changes_total{action, code}` counts loads
 and restores through the admin routes by outcome.
 
+`xrec_graph_captures_total` and `xrec_graph_replays_total` count captured decode rounds
+(option `cuda_graphs`, search/graphs.py) and the batches that replayed one.
+
 `xrec_model_info{family, dtype} 1` names the model family and the dtype serving (option
 `dtype` resolved: "auto" is float32 or bfloat16 by hardware).
 
@@ -33,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import (CollectorRegistry, Counter, Histogram, ProcessCollector,
                                generate_latest)
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
@@ -152,6 +155,12 @@ class _EngineCollector(Collector):
         stats = None if engine is None else engine.stats()
         for name, (doc, value) in ENGINE_GAUGES.items():
             yield GaugeMetricFamily(name, doc, value=0.0 if stats is None else value(stats))
+        for name, doc, value in (
+                ("xrec_graph_captures", "Decode rounds captured as a CUDA graph (one per bucket "
+                 "and pipeline; option cuda_graphs)", lambda s: s.graph_captures),
+                ("xrec_graph_replays", "Batches whose decode rounds replayed a captured graph",
+                 lambda s: s.graph_replays)):
+            yield CounterMetricFamily(name, doc, value=0.0 if stats is None else value(stats))
         yield GaugeMetricFamily("xrec_ready", "1 while the engine is loaded and takes new work, "
                                 "else 0 (loading, closed by a drain, scheduler stopped)",
                                 value=float(stats is not None and stats.is_serving))

@@ -21,6 +21,12 @@ def model_dir_of(args: argparse.Namespace):
     return model_dir(args.size, args.seed, args.items)
 
 
+def cuda_graphs_of(args: argparse.Namespace) -> bool | None:
+    """--cuda-graphs as the engine option (None: the engine's default)."""
+    value = getattr(args, "cuda_graphs", None)
+    return None if value is None else value == "true"
+
+
 def progress_bar(args: argparse.Namespace, total: int, desc: str):
     from tqdm import tqdm
     return tqdm(total=total, desc=desc, unit="run", disable=args.no_progress, file=sys.stderr)

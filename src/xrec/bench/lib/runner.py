@@ -137,10 +137,11 @@ def _for_generate(hf):
 def load_for(args, names: list[str]) -> Contenders:
     """`load_contenders` for a bench command's arguments, in a thread that ends (no
     OpenMP team left on the caller's thread)."""
-    from xrec.bench.lib.args import model_dir_of
+    from xrec.bench.lib.args import cuda_graphs_of, model_dir_of
     return in_fresh_thread(
         lambda: load_contenders(names, model_dir_of(args), args.device, args.threads,
-                                {"dtype": args.dtype}, args.seed))
+                                {"dtype": args.dtype, "cuda_graphs": cuda_graphs_of(args)},
+                                args.seed))
 
 
 def run_point(contenders: Contenders, workload: Workload, warmup: int, repeats: int,
