@@ -32,7 +32,7 @@ from xrec.search.workspace_buffers import Workspace
 CPU = torch.device("cpu")
 
 
-def requests_of(seed: int, num: int = 3, beam_width: int = 8, length: int = 6, **extra):
+def requests_of(seed: int, num: int = 2, beam_width: int = 6, length: int = 6, **extra):
     rng = np.random.default_rng(seed)
     return [RecRequest(token_ids=rng.integers(0, 64, length + i % 2).tolist(), beam_width=beam_width,
                        **extra) for i in range(num)]
@@ -87,8 +87,8 @@ def test_a_replay_stops_before_its_rounds_like_an_eager_batch(setup):
 def test_buckets_follow_shapes_and_settings_and_stay_bounded(setup):
     config, catalog, step = setup
     graphs, workspace = DecodeGraphs(EagerReplay(), max_graphs=2), Workspace(CPU)
-    kinds = [dict(beam_width=8), dict(beam_width=4), dict(beam_width=8, temperature=0.5),
-             dict(beam_width=8, exclude_items=catalog.item_ids[:5].tolist())]
+    kinds = [dict(beam_width=6), dict(beam_width=4), dict(beam_width=6, temperature=0.5),
+             dict(beam_width=6, exclude_items=catalog.item_ids[:5].tolist())]
     keys = []
     for kind in kinds:
         for seed in range(2):
