@@ -167,7 +167,7 @@ def test_family_defaults():
     defaults are those ML-1M was measured with."""
     from xrec.realdata.train.options import TrainOptions
     qwen3, onerec = TrainOptions(), TrainOptions(family="onerec")
-    assert (qwen3.epochs, qwen3.batch_size, qwen3.lr) == (8, 32, 3e-3)
+    assert (qwen3.epochs, qwen3.batch_size, qwen3.lr) == (12, 32, 3e-3)
     assert (onerec.epochs, onerec.batch_size, onerec.lr) == (5, 8, 1e-3)
     assert TrainOptions(family="onerec", lr=2e-3, epochs=3).lr == 2e-3
     with pytest.raises(ValueError, match="family: got 't5'"):

@@ -8,8 +8,9 @@ __all__ = ["FAMILIES", "FAMILY_DEFAULTS", "TrainOptions"]
 
 FAMILIES = ("qwen3", "onerec")
 # What an option left at None becomes (docs/decisions.md, Real data): the encoder-decoder
-# costs ~2.3x the decoder-only per epoch and learns more per step from smaller batches.
-FAMILY_DEFAULTS = {"qwen3": {"epochs": 8, "batch_size": 32, "lr": 3e-3},
+# costs ~2.3x the decoder-only per epoch and learns more per step from smaller batches; the
+# decoder-only family's 12 epochs beat 8 on ML-1M validation (best HR@10 0.235 vs 0.216).
+FAMILY_DEFAULTS = {"qwen3": {"epochs": 12, "batch_size": 32, "lr": 3e-3},
                    "onerec": {"epochs": 5, "batch_size": 8, "lr": 1e-3}}
 
 
