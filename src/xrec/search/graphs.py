@@ -116,10 +116,10 @@ class DecodeGraphs:
         entry = self._graphs.get(key)
         if entry is None:
             output = step.decode_rounds(state, before_round)
-            if key in self._seen or self.max_graphs == 0:
+            if key in self._seen:
                 self._capture(step, state, inputs, key, workspace)
             else:
-                self._remember(self._seen, key)
+                self._remember(key)
             return output
         self._graphs.move_to_end(key)
         if before_round is not None:
@@ -150,10 +150,11 @@ class DecodeGraphs:
                     "%d graphs on this pipeline", state.num_batch, state.num_beams,
                     1000 * seconds, len(self._graphs))
 
-    def _remember(self, seen: OrderedDict, key: Any) -> None:
-        seen[key] = None
-        while len(seen) > 4 * max(self.max_graphs, 1):
-            seen.popitem(last=False)
+    def _remember(self, key: Any) -> None:
+        """A bucket run once (bounded: the most recent 4 x max_graphs)."""
+        self._seen[key] = None
+        while len(self._seen) > 4 * max(self.max_graphs, 1):
+            self._seen.popitem(last=False)
 
 
 def flatten(state: Any) -> tuple[list[torch.Tensor], Any]:
