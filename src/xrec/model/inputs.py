@@ -46,5 +46,5 @@ class ModelInputs:
     @property
     def is_ragged(self) -> bool:
         """Some request is shorter than the padded length (a batch may be padded beyond its
-        longest request: `prepare_batch(pad_len=...)`)."""
+        longest request: `prepare_batch(pad_lengths=True)`)."""
         return min(self.lengths) != self.token_ids.shape[1]

@@ -82,10 +82,15 @@ class EagerReplay:
         return replay, output
 
 
+@dataclasses.dataclass(frozen=True)
 class _Captured:
-    def __init__(self, replay: Replay, inputs: list[torch.Tensor], output: DeviceOutput,
-                 held: tuple[torch.Tensor, ...]):
-        self.replay, self.inputs, self.output, self.held = replay, inputs, output, held
+    """A captured bucket: its replay, static inputs and outputs, and the workspace buffers
+    its kernels address (held alive)."""
+
+    replay: Replay
+    inputs: list[torch.Tensor]
+    output: DeviceOutput
+    held: tuple[torch.Tensor, ...]
 
 
 class DecodeGraphs:
@@ -98,7 +103,6 @@ class DecodeGraphs:
         self._seen: OrderedDict[Any, None] = OrderedDict()   # buckets run once, not captured
         self.num_captures = 0
         self.num_replays = 0
-        self.capture_seconds = 0.0
 
     @property
     def num_graphs(self) -> int:
@@ -145,7 +149,6 @@ class DecodeGraphs:
         while len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
         self.num_captures += 1
-        self.capture_seconds += seconds
         logger.info("captured the decode rounds of a bucket (batch %d x beam width %d) in %.1f ms; "
                     "%d graphs on this pipeline", state.num_batch, state.num_beams,
                     1000 * seconds, len(self._graphs))

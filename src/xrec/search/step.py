@@ -152,7 +152,7 @@ class RecStep:
         if before_round is not None:
             before_round(0)
         last, context = model.prefill(batch.inputs, state.allocate)        # [B, D], shared state
-        return self._select(state, last.unsqueeze(1), 0, None, context)
+        return self._select(replace(state, context=context), last.unsqueeze(1), 0, None)
 
     def decode_rounds(self, state: DecodeState,
                       before_round: Callable[[int], None] | None = None) -> DeviceOutput:
@@ -171,7 +171,7 @@ class RecStep:
         return DeviceOutput(state.tokens, state.scores, state.logprobs)
 
     def _select(self, state: DecodeState, step_hidden: torch.Tensor, round_index: int,
-                beams: BeamKV | None, context: Any = None) -> DecodeState:
+                beams: BeamKV | None) -> DecodeState:
         """One round's constrained top-k over `step_hidden [B, W, D]`, the beams' update and
         (between decode rounds) the beam K/V reorder."""
         is_last = round_index == self.rounds - 1
@@ -195,8 +195,7 @@ class RecStep:
         if beams is not None and not is_last:
             offsets = torch.arange(state.num_batch, device=self.device).unsqueeze(1) * state.num_beams
             beams.reorder((parents + offsets).flatten(), num_written=round_index)
-        return replace(state, nodes=nodes, scores=scores, tokens=tokens, logprobs=logprobs,
-                       context=state.context if context is None else context)
+        return replace(state, nodes=nodes, scores=scores, tokens=tokens, logprobs=logprobs)
 
     def _candidates(self, hidden: torch.Tensor, nodes: torch.Tensor, level: int, keep: int,
                     rows: "_Rows", filters: SearchFilter | None,
