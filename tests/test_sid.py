@@ -80,6 +80,31 @@ def test_svd_embeddings_put_co_watched_items_together(svd_embeddings):
     np.testing.assert_array_equal(emb, interaction_embeddings(SPLIT, dim=8, seed=0))
 
 
+def test_sasrec_embeddings_are_its_trained_item_table_normalised():
+    from xrec.realdata.train.sasrec import SASRecConfig
+
+    config = SASRecConfig(hidden_size=16, max_len=16, epochs=20, batch_size=8, patience=20,
+                          dropout=0.0, num_threads=1)
+    emb = sid_embeddings.sasrec_embeddings(SPLIT, config=config)
+    assert emb.shape == (SPLIT.data.num_items, 16) and emb.dtype == np.float32
+    lonely = SPLIT.data.item_ids.index(LONELY)
+    assert not emb[lonely].any()  # absent from training: a zero row
+    known = np.arange(len(emb)) != lonely
+    np.testing.assert_allclose(np.linalg.norm(emb[known], axis=1), 1.0, atol=1e-5)
+    # trained, not the random initial table: items watched by the same users point alike
+    cosine = emb[known] @ emb[known].T
+    groups = GROUPS[known]
+    is_same = groups[:, None] == groups[None, :]
+    np.fill_diagonal(is_same, False)
+    assert cosine[is_same].mean() > cosine[groups[:, None] != groups[None, :]].mean() + 0.15
+
+
+def test_build_sid_dir_from_sasrec_embeddings(tmp_path):
+    report = build_sid_dir(SPLIT, tmp_path / "sid", embeddings="sasrec", codebook_size=8)
+    assert report["embeddings"] == "sasrec" and report["dim"] == 50  # the baseline's width
+    assert report["num_ids"] == SPLIT.data.num_items  # unique IDs, as with any source
+
+
 def test_svd_dim_beyond_rank_pads_zero_columns():
     emb = interaction_embeddings(SPLIT, dim=100)  # 40 users: rank <= 40
     assert emb.shape == (SPLIT.data.num_items, 100)

@@ -191,8 +191,9 @@ def build_sid_dir(split: Split, out_dir: str | os.PathLike, *, embeddings: str =
                   dim: int = 64, codebook_size: int = DEFAULT_CODEBOOK_SIZE,
                   collisions: str = "reassign", seed: int = 0, replace: bool = False) -> dict:
     """Embeddings → IDs → `write_sid_dir`, for `split` (SVD embeddings use its training part).
-    `embeddings`: "svd", "text" (item titles, all-MiniLM-L6-v2) or a `.npy` path. Returns the
-    report written to sid_report.json."""
+    `embeddings`: "svd", "sasrec" (the item table of a SASRec trained on the training part),
+    "text" (item titles, all-MiniLM-L6-v2) or a `.npy` path. Returns the report written to
+    sid_report.json."""
     from xrec.realdata.sid import embeddings as embed
 
     data = split.data
@@ -200,6 +201,10 @@ def build_sid_dir(split: Split, out_dir: str | os.PathLike, *, embeddings: str =
     if embeddings == "svd":
         vectors = embed.interaction_embeddings(split, dim=dim, seed=seed)
         source = {"embeddings": "svd", "dim": dim, "embedding_input": "training interactions"}
+    elif embeddings == "sasrec":
+        vectors = embed.sasrec_embeddings(split, seed=seed)
+        source = {"embeddings": "sasrec", "dim": int(vectors.shape[1]),
+                  "embedding_input": "training interactions"}
     elif embeddings == "text":
         if data.item_titles is None:
             raise DataError(f"embeddings='text': dataset {data.name!r} has no item titles; use "

