@@ -42,7 +42,9 @@ def test_ml100k_slice_trains_beats_most_popular_and_serves(tmp_path):
     split = leave_one_out(first_users(data, NUM_USERS))
     assert split.data.num_users == NUM_USERS and (split.test >= 0).all()
 
-    build_sid_dir(split, tmp_path / "sid")
+    # SVD IDs (seconds): the default source, a SASRec's item table, trains ~1 minute here and
+    # has its own tests (tests/test_sid.py)
+    build_sid_dir(split, tmp_path / "sid", embeddings="svd")
     model_dir = tmp_path / "qwen3"
     train(split, tmp_path / "sid", model_dir, TrainOptions(family="qwen3", **SHORT),
           progress=False, log=lambda *_: None)

@@ -99,12 +99,6 @@ def test_sasrec_embeddings_are_its_trained_item_table_normalised():
     assert cosine[is_same].mean() > cosine[groups[:, None] != groups[None, :]].mean() + 0.15
 
 
-def test_build_sid_dir_from_sasrec_embeddings(tmp_path):
-    report = build_sid_dir(SPLIT, tmp_path / "sid", embeddings="sasrec", codebook_size=8)
-    assert report["embeddings"] == "sasrec" and report["dim"] == 50  # the baseline's width
-    assert report["num_ids"] == SPLIT.data.num_items  # unique IDs, as with any source
-
-
 def test_svd_dim_beyond_rank_pads_zero_columns():
     emb = interaction_embeddings(SPLIT, dim=100)  # 40 users: rank <= 40
     assert emb.shape == (SPLIT.data.num_items, 100)
@@ -273,7 +267,8 @@ def test_build_sid_dir_from_file_and_svd(tmp_path):
     np.save(file, np.random.default_rng(0).normal(size=(SPLIT.data.num_items, 4)))
     report = build_sid_dir(SPLIT, tmp_path / "from-file", embeddings=str(file), codebook_size=8)
     assert report["embeddings"] == "file" and report["num_ids"] == SPLIT.data.num_items
-    report = build_sid_dir(SPLIT, tmp_path / "svd", dim=8, codebook_size=8, collisions="share")
+    report = build_sid_dir(SPLIT, tmp_path / "svd", embeddings="svd", dim=8, codebook_size=8,
+                           collisions="share")
     assert report["embeddings"] == "svd" and report["collisions"] == "share"
     assert report["num_ids"] == report["raw_num_ids"]
     no_titles = Split(Interactions("bare", SPLIT.data.user_ids, SPLIT.data.item_ids,
@@ -297,12 +292,15 @@ def test_cli_sid_build(tmp_path, monkeypatch, capsys):
     out = tmp_path / "home" / "runs" / "toy" / "sid"
     assert f"{SPLIT.data.num_items} items -> {SPLIT.data.num_items} IDs" in capsys.readouterr().out
     assert ItemCatalog.from_model_dir(out, sid_layout(8).vocab_size) is not None
+    report = json.loads((out / "sid_report.json").read_text())
+    assert (report["embeddings"], report["dim"]) == ("sasrec", 50)  # the default: SASRec's table
     args = parser.parse_args(argv)
     with pytest.raises(ValueError, match="--force"):
         args.run(args)
-    args = parser.parse_args([*argv, "--force", "--collisions", "share"])
+    args = parser.parse_args([*argv, "--force", "--collisions", "share", "--embeddings", "svd"])
     assert args.run(args) == 0
-    assert json.loads((out / "sid_report.json").read_text())["collisions"] == "share"
+    report = json.loads((out / "sid_report.json").read_text())
+    assert (report["embeddings"], report["dim"], report["collisions"]) == ("svd", 8, "share")
 
 
 @pytest.mark.slow

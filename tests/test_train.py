@@ -60,7 +60,7 @@ def split():
 @pytest.fixture(scope="module")
 def sid_dir(split, tmp_path_factory):
     out = tmp_path_factory.mktemp("walk") / "sid"
-    build_sid_dir(split, out, codebook_size=8, dim=8)
+    build_sid_dir(split, out, embeddings="svd", codebook_size=8, dim=8)
     return out
 
 

@@ -64,7 +64,8 @@ def run_demo(args: argparse.Namespace) -> int:
     split = leave_one_out(load_dataset(args.dataset))
     print(f"[data] {args.dataset}: {len(split.data):,} interactions, {split.data.num_users:,} "
           f"users, {split.data.num_items:,} items ({time.perf_counter() - started:.1f} s)")
-    stage("sid", (run / "sid").exists(), lambda: print(_summary(build_sid_dir(split, run / "sid"))))
+    stage("sid", (run / "sid").exists(),
+          lambda: print(_summary(build_sid_dir(split, run / "sid", progress=progress))))
     for family in families:
         stage(f"train {family}", (run / family).exists(),
               lambda: train(split, run / "sid", run / family, TrainOptions(family=family),

