@@ -28,9 +28,10 @@ def add_sid_parser(subparsers) -> argparse.ArgumentParser:
     build = actions.add_parser(
         "build", help="item embeddings -> residual k-means semantic IDs -> tokenizer + catalog",
         description="Embeds the items (the item table of a SASRec trained on the training "
-                    "interactions, their SVD, item text, or a .npy file), quantises the embeddings with 3-level residual k-means and writes "
-                    "tokenizer.json, tokenizer_config.json, the extended binary catalog "
-                    "items.bin, items.txt, sids.tsv and sid_report.json.")
+                    "interactions, their SVD, item text, or a .npy file), quantises the "
+                    "embeddings with 3-level residual k-means and writes tokenizer.json, "
+                    "tokenizer_config.json, the extended binary catalog items.bin, items.txt, "
+                    "sids.tsv and sid_report.json.")
     build.add_argument("--data", required=True,
                        help="ml-1m, ml-100k, or a path to an interaction file")
     build.add_argument("--out", help="directory to write (default: "
