@@ -9,10 +9,14 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from xrec.realdata.data.interactions import DataError, Split
+
+if TYPE_CHECKING:
+    from xrec.realdata.train.sasrec import SASRecConfig
 
 __all__ = ["TEXT_MODEL", "TEXT_PACKAGE", "interaction_embeddings", "load_embeddings",
            "sasrec_embeddings", "text_embeddings"]
@@ -88,7 +92,7 @@ def _text_model_dir() -> Path:
 
 
 def sasrec_embeddings(split: Split, seed: int = 0, progress: bool = False,
-                      config=None) -> np.ndarray:
+                      config: SASRecConfig | None = None) -> np.ndarray:
     """float32 [num_items, hidden]: the item table of a SASRec (`xrec eval`'s baseline,
     `xrec.realdata.train.sasrec`) trained on `split.train` with early stopping on its `valid`
     stage, each row L2-normalised (its scores are cosines, so only the direction is
@@ -98,9 +102,8 @@ def sasrec_embeddings(split: Split, seed: int = 0, progress: bool = False,
 
     model = train_sasrec(split, config or SASRecConfig(seed=seed), progress=progress)
     table = model.item_emb.weight[1:].detach().float().cpu().numpy()  # [I, H], row = item index
-    trained = np.zeros(split.data.num_items, dtype=bool)
-    for items in split.train:
-        trained[items] = True
+    trained = np.zeros(split.data.num_items, dtype=bool)                  # [I]
+    trained[np.concatenate([np.zeros(0, np.int64), *split.train])] = True
     return np.where(trained[:, None], _l2_normalize(table), 0).astype(np.float32)
 
 
