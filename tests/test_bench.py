@@ -86,7 +86,10 @@ def test_offline_quick_filter_row_is_paired_with_the_unfiltered_batch(home, tmp_
 
 
 def test_breakdown_quick_decoder_only(home, tmp_path):
-    record = _run("breakdown", tmp_path, "--family", "qwen3")
+    # --dtype reaches the engine (the suite's CPU "auto" is float32)
+    record = _run("breakdown", tmp_path, "--family", "qwen3", "--dtype", "bfloat16")
+    assert record["settings"]["dtype"] == "bfloat16"
+    assert "bfloat16)" in next(tmp_path.glob("*.md")).read_text().splitlines()[0]
     for mode in ("allowed", "full"):
         parts = record["modes"][mode]["parts_ms"]
         for part in ("prompt (round 0)", "decoder, round 1", "decoder, round 2",

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from xrec.bench.lib.args import model_dir_of
+from xrec.bench.lib.args import dtype_option, model_dir_of
 from xrec.bench.lib.common import environment, environment_markdown, markdown_table, output_paths, \
     write_outputs
 
@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     source = write_input(work / f"in{suffix}", args.rows, vocab, tuple(args.lengths), args.seed,
                          args.input_format)
     settings = RowSettings(beam_width=args.beam_width, num_results=args.num_results)
-    options = {"device": args.device, **({"num_threads": args.threads} if args.threads else {})}
+    options = {"device": args.device, **({"num_threads": args.threads} if args.threads else {}),
+               **dtype_option(args)}
 
     def job(out: str) -> BatchJob:
         return BatchJob(str(source), str(work / out), str(model_dir), settings=settings,

@@ -22,7 +22,7 @@ import re
 import statistics
 import time
 
-from xrec.bench.lib.args import model_dir_of, progress_bar
+from xrec.bench.lib.args import dtype_option, model_dir_of, progress_bar
 from xrec.bench.lib.common import (environment, environment_markdown, markdown_table,
                                output_paths, pyplot, write_outputs)
 from xrec.bench.lib.models import make_workload
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = Engine.from_pretrained(model_dir_of(args), isolation="thread", device=args.device,
-                                    num_threads=args.threads)
+                                    num_threads=args.threads, **dtype_option(args))
     try:
         env = environment(args.device)
         config = engine.model.config
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
                                  args.beam_width, args.seed)
         bar = progress_bar(args, len(MODES) * 2 * (args.warmup + args.repeats) + 2 * len(MODES),
                            "breakdown")
-        modes = {}
+        modes, dtype = {}, engine.dtype
         workspace = Workspace(engine.model.device)   # reused buffers, as a pipeline runs its steps
         for mode in MODES:
             requests = [RecRequest(token_ids=row, beam_width=workload.beam_width, normalize=mode)
@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         engine.close()
     record = {"benchmark": "breakdown", "environment": env,
               "settings": {"size": args.size, "items": args.items, "seed": args.seed,
-                           "warmup": args.warmup, "repeats": args.repeats, **workload.key},
+                           "warmup": args.warmup, "repeats": args.repeats, "dtype": dtype,
+                           **workload.key},
               "modes": modes}
     paths = output_paths(args.out, "breakdown")
     plot(modes, paths["png"])
@@ -209,7 +210,8 @@ def markdown(record: dict) -> str:
                  *[f"{m['recommend_ms'] / m['step_ms'] - 1:+.0%} vs the step" for m in modes.values()]])
     s = record["settings"]
     return (f"## xrec bench breakdown ({s['size']}, {s['items']} items, W={s['beam_width']}, "
-            f"L={s['input_len']}, {s['num_requests']} requests)\n\n" + markdown_table(header, rows)
+            f"L={s['input_len']}, {s['num_requests']} requests, {s.get('dtype', 'float32')})\n\n"
+            + markdown_table(header, rows)
             + "\n\nPart times are torch-op times attributed by Python stack; % of the profiled "
             "step. The profiler itself adds a few µs per op to the host overhead.\n\n"
             + environment_markdown(record["environment"]))

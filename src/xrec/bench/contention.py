@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from xrec.bench.lib.args import model_dir_of
+from xrec.bench.lib.args import dtype_option, model_dir_of
 from xrec.bench.lib.common import environment, environment_markdown, markdown_table, \
     output_paths, write_outputs
 
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     base = {"model_dir": str(model_dir_of(args)), "beam_width": args.beam_width,
             "length": args.length, "num_requests": args.num_requests, "rows": args.rows,
             "seconds": args.seconds, "threads": args.threads or len(os.sched_getaffinity(0)),
-            "seed": args.seed}
+            "seed": args.seed, **dtype_option(args)}
     cases = [(w, p, n) for w in args.workloads for p in POLICIES for n in NEIGHBOURS]
     results: dict[tuple, list[float]] = {case: [] for case in cases}
     for index in range(args.rounds):
@@ -130,7 +130,8 @@ def _serve_rate(setting: dict, adaptive: bool) -> float:
     from xrec.bench.lib.models import make_workload
 
     with Engine.from_pretrained(setting["model_dir"], isolation="thread",
-                                num_threads=setting["threads"], adaptive_threads=adaptive) as engine:
+                                num_threads=setting["threads"], adaptive_threads=adaptive,
+                                **dtype_option(setting)) as engine:
         workload = make_workload(engine.limits.vocab_size, setting["num_requests"],
                                  setting["length"], setting["beam_width"], setting["seed"])
         requests = [RecRequest(token_ids=ids.tolist(), beam_width=workload.beam_width)
@@ -152,7 +153,7 @@ def _batch_rate(setting: dict, adaptive: bool) -> float:
         job = BatchJob(str(source), str(Path(tmp) / "out"), setting["model_dir"],
                        settings=RowSettings(beam_width=setting["beam_width"]), progress=False,
                        engine_options={"num_threads": setting["threads"],
-                                       "adaptive_threads": adaptive})
+                                       "adaptive_threads": adaptive, **dtype_option(setting)})
         return run_batch(job).rows_per_s
 
 

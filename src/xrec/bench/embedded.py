@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any
 
-from xrec.bench.lib.args import model_dir_of
+from xrec.bench.lib.args import dtype_option, model_dir_of
 from xrec.bench.lib.common import (environment, environment_markdown, markdown_table,
                                output_paths, write_outputs)
 
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     args.rounds = args.rounds or 3
     base = {"model_dir": str(model_dir), "beam_width": args.beam_width, "length": args.length,
             "num_requests": args.num_requests, "repeats": args.repeats, "warmup": args.warmup,
-            "threads": args.threads, "seed": args.seed}
+            "threads": args.threads, "seed": args.seed, **dtype_option(args)}
     pairs = [(c, i) for c in args.conditions for i in args.isolations]
     rounds: dict[tuple[str, str], list[dict]] = {pair: [] for pair in pairs}
     for index in range(args.rounds):
@@ -130,7 +130,8 @@ def measure(setting: dict) -> dict:
         torch.randn(512, 512) @ torch.randn(512, 512)   # the host's own torch work, main thread
     loop = _HostLoop() if setting["condition"] == "host-loop" else None
     solo_rate = loop.solo_rate() if loop else None
-    options = {"num_threads": setting["threads"]} if setting["threads"] else {}
+    options = {**({"num_threads": setting["threads"]} if setting["threads"] else {}),
+               **dtype_option(setting)}
     engine = Engine.from_pretrained(setting["model_dir"], isolation=setting["isolation"], **options)
     try:
         limits = engine.limits
@@ -164,7 +165,8 @@ def _transport(setting: dict) -> dict:
     from xrec import Engine, RecRequest
     from xrec.utils.fresh_thread import in_fresh_thread
 
-    options = {"num_threads": setting["threads"]} if setting["threads"] else {}
+    options = {**({"num_threads": setting["threads"]} if setting["threads"] else {}),
+               **dtype_option(setting)}
     with in_fresh_thread(lambda: Engine.from_pretrained(setting["model_dir"], isolation="thread",
                                                         **options)) as local, \
             Engine.from_pretrained(setting["model_dir"], isolation="process", **options) as child:

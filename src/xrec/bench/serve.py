@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from xrec.bench.lib.args import model_dir_of, progress_bar
+from xrec.bench.lib.args import dtype_option, model_dir_of, progress_bar
 from xrec.bench.lib.rawhttp import Connection, burst
 from xrec.bench.lib.common import (environment, environment_markdown, markdown_table,
                                output_paths, percentile, pyplot, write_outputs)
@@ -118,7 +118,7 @@ def free_port() -> int:
 
 @contextmanager
 def server(model_dir, max_concurrency: int, threads: int | None, device: str, timeout_s: float,
-           batch_wait_ms: float = 0.0):
+           batch_wait_ms: float = 0.0, dtype: str | None = None):
     """`xrec serve` in a subprocess on a free port; yields its base URL; SIGTERM at the end."""
     import httpx
 
@@ -128,6 +128,8 @@ def server(model_dir, max_concurrency: int, threads: int | None, device: str, ti
                "--device", device, "--grace-s", "5", "--batch-wait-ms", str(batch_wait_ms)]
     if threads:
         command += ["--num-threads", str(threads)]
+    if dtype:
+        command += ["--dtype", dtype]
     log = tempfile.TemporaryFile()
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -178,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     for value in concurrency:
         with (_external(args.url) if args.url else
               server(model_dir, value, args.threads, args.device, args.startup_timeout,
-                     args.batch_wait_ms)) as url:
+                     args.batch_wait_ms, args.dtype)) as url:
             versus.append({"max_concurrency": value,
                            **server_vs_offline(url, model_dir, value, args, bodies["small"])})
             bar.update(1)
@@ -224,7 +226,7 @@ def server_vs_offline(url: str, model_dir, max_concurrency: int | None, args: ar
     host, port = urlsplit(url).hostname, urlsplit(url).port
     requests = [RecRequest(**body) for body in batch]
     options = {"device": args.device, "num_threads": args.threads, "max_concurrency": max_concurrency,
-               "batch_wait_ms": args.batch_wait_ms}
+               "batch_wait_ms": args.batch_wait_ms, **dtype_option(args)}
     offline, served = [], []
     loop = asyncio.new_event_loop()
     connections = [Connection(host, port) for _ in encoded]   # kept alive across the runs

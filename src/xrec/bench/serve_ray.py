@@ -26,7 +26,7 @@ import statistics
 import time
 from pathlib import Path
 
-from xrec.bench.lib.args import model_dir_of
+from xrec.bench.lib.args import dtype_option, model_dir_of
 from xrec.bench.lib.common import (environment, environment_markdown, markdown_table, output_paths,
                                percentile, write_outputs)
 from xrec.bench.lib.rawhttp import Connection
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     env = environment(args.device)
     rows = []
     with server(model_dir, 1, threads, args.device, args.startup_timeout,
-                args.batch_wait_ms) as url:
+                args.batch_wait_ms, args.dtype) as url:
         rows.append({"contender": "xrec serve", "replicas": None, **measure(url, bodies, args)})
     memory, ray_rows = _ray_contenders(model_dir, bodies, threads, args)
     rows += ray_rows
@@ -88,7 +88,8 @@ def _ray_contenders(model_dir: Path, bodies: list[bytes], threads: int,
         for count in args.replicas:
             options = ServeOptions(str(model_dir), engine_options={"num_threads": threads,
                                                                    "device": args.device,
-                                                                   "batch_wait_ms": args.batch_wait_ms},
+                                                                   "batch_wait_ms": args.batch_wait_ms,
+                                                                   **dtype_option(args)},
                                    num_replicas=count, replica_cpus=float(threads))
             start(options, "127.0.0.1", port)
             infos = replica_infos(count)

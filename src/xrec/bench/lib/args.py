@@ -21,6 +21,13 @@ def model_dir_of(args: argparse.Namespace):
     return model_dir(args.size, args.seed, args.items)
 
 
+def dtype_option(args: argparse.Namespace | dict) -> dict:
+    """--dtype (of the arguments, or of a setting built from them) as engine options:
+    {"dtype": ...} when given, else {} (the engine's "auto")."""
+    dtype = args.get("dtype") if isinstance(args, dict) else getattr(args, "dtype", None)
+    return {"dtype": dtype} if dtype else {}
+
+
 def cuda_graphs_of(args: argparse.Namespace) -> bool | None:
     """--cuda-graphs as the engine option (None: the engine's default)."""
     value = getattr(args, "cuda_graphs", None)
