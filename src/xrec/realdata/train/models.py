@@ -23,6 +23,7 @@ from xrec.model.loader import save_model
 from xrec.config.qwen import QwenConfig
 from xrec.realdata.train.options import FAMILIES
 from xrec.realdata.sequences import IGNORE, collate
+from xrec.realdata.train.repeats import seen_unlikelihood
 
 __all__ = ["TrainableModel", "model_config", "seq2seq_inputs"]
 
@@ -57,13 +58,18 @@ class TrainableModel:
 
     config: ModelConfig | QwenConfig
     hf: Any
+    seen_unlikelihood: float = 0.0   # weight of `repeats.seen_unlikelihood` (decoder-only)
 
     @classmethod
-    def create(cls, config: ModelConfig | QwenConfig, seed: int, dropout: float = 0.0) -> TrainableModel:
+    def create(cls, config: ModelConfig | QwenConfig, seed: int, dropout: float = 0.0,
+               seen_unlikelihood: float = 0.0) -> TrainableModel:
         """A freshly initialised model; `dropout`: on the embeddings and on each attention and
         feed-forward output before its residual add (T5's own `dropout_rate`, which also drops
         attention weights; hooks on Qwen3, which has none). Training only: the written
-        directory has no dropout to turn off."""
+        directory has no dropout to turn off. `seen_unlikelihood`: the weight of the term that
+        pushes down items the window already holds (decoder-only; `repeats.py`)."""
+        if seen_unlikelihood and config.is_encoder_decoder:
+            raise ValueError("seen_unlikelihood: the decoder-only family only")
         torch.manual_seed(seed)
         if config.is_encoder_decoder:
             from transformers import T5ForConditionalGeneration
@@ -78,7 +84,7 @@ class TrainableModel:
             hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields))
             if dropout:
                 _residual_dropout(hf, dropout)
-        return cls(config, hf.float().train())
+        return cls(config, hf.float().train(), seen_unlikelihood)
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Weights saved by `save` (xrec's names; tied copies restored)."""
@@ -105,9 +111,16 @@ class TrainableModel:
         return {"lm_head.weight"} if self.config.tie_word_embeddings else set()
 
     def loss(self, batch: list[np.ndarray]) -> tuple[torch.Tensor, int]:
-        """Mean cross-entropy of a batch of training sequences and its target count."""
+        """Mean cross-entropy of a batch of training sequences (plus the weighted seen-item
+        unlikelihood, when asked) and its target count."""
         out, labels = self.forward(batch)
-        return out.loss, int((labels != IGNORE).sum())
+        targets = int((labels != IGNORE).sum())
+        if not self.seen_unlikelihood:
+            return out.loss, targets
+        ids, _ = collate(list(batch))
+        lengths = torch.as_tensor([(len(s) - 1) // 3 for s in batch])
+        term = seen_unlikelihood(out.logits, torch.as_tensor(ids), lengths, targets)
+        return out.loss + self.seen_unlikelihood * term, targets
 
     def forward(self, batch: list[np.ndarray]) -> tuple[Any, torch.Tensor]:
         """The Hugging Face output (logits, loss) over a batch of training sequences
