@@ -1,5 +1,5 @@
 """The seen-item unlikelihood (`xrec.realdata.train.repeats`) against a loop written from its
-definition, and its place in the training loss."""
+definition, and its place in both families' training loss."""
 
 from __future__ import annotations
 
@@ -9,103 +9,126 @@ import numpy as np
 import pytest
 import torch
 
-from xrec.realdata.train.models import TrainableModel, model_config
+from xrec.realdata.train.models import TrainableModel, model_config, seq2seq_inputs
 from xrec.realdata.train.options import TrainOptions
 from xrec.realdata.train.repeats import MIN_COMPLEMENT, seen_unlikelihood
 
 VOCAB = 12
 
 
-def _reference(logits: torch.Tensor, windows: list[list[tuple[int, int, int]]],
-               num_targets: int) -> float:
-    """Per window, per item j, per level: the distinct tokens of earlier items that share
-    j's prefix up to that level and differ at it; -log(1 - p) of each, summed."""
+def _reference(predict, windows: list[list[tuple[int, int, int]]], num_targets: int,
+               first_target: int = 0) -> float:
+    """`predict(row, j, level)`: the logits that predict token `level` (1 or 2) of item j.
+    Per window, per target item j, per level: the distinct tokens of earlier items that
+    share j's prefix up to that level and differ at it; -log(1 - p) of each, summed."""
     total = 0.0
     for row, items in enumerate(windows):
-        for j, item in enumerate(items):
+        for j in range(first_target, len(items)):
             for level in (1, 2):
-                banned = {items[k][level] for k in range(j)
-                          if items[k][:level] == item[:level] and items[k][level] != item[level]}
-                probs = logits[row, 3 * j + level].double().softmax(-1)
+                banned = {items[k][level] for k in range(j) if items[k][:level] ==
+                          items[j][:level] and items[k][level] != items[j][level]}
+                probs = predict(row, j, level).double().softmax(-1)
                 total += sum(-math.log(max(1 - float(probs[t]), MIN_COMPLEMENT)) for t in banned)
     return total / num_targets
 
 
-def _batch(windows):
-    width = 1 + 3 * max(len(w) for w in windows)
-    ids = torch.zeros(len(windows), width, dtype=torch.long)
+def _tensors(windows):
+    length = max(len(w) for w in windows)
+    tokens = torch.zeros(len(windows), length, 3, dtype=torch.long)
+    real = torch.zeros(len(windows), length, dtype=torch.bool)
     for row, items in enumerate(windows):
-        ids[row, 1:1 + 3 * len(items)] = torch.tensor([t for item in items for t in item])
-    return ids, torch.tensor([len(w) for w in windows])
+        if items:
+            tokens[row, :len(items)] = torch.tensor(items)
+        real[row, :len(items)] = True
+    return tokens, real
+
+
+def _term(windows, second, third, num_targets=1, first_target=0):
+    tokens, real = _tensors(windows)
+    return float(seen_unlikelihood(second, third, tokens, real, num_targets, first_target))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_matches_the_definition_on_random_windows(seed):
+@pytest.mark.parametrize("first_target", [0, 1])
+def test_matches_the_definition_on_random_windows(seed, first_target):
     rng = np.random.default_rng(seed)
     # few distinct tokens per level, so prefixes are shared often; windows of unequal length
     windows = [[tuple(int(t) for t in rng.integers(1, 4, 3)) for _ in range(n)]
                for n in (7, 3, 0, 9)]
-    ids, lengths = _batch(windows)
-    logits = torch.randn(len(windows), ids.shape[1], VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
-    got = seen_unlikelihood(logits, ids, lengths, num_targets=50)
-    assert float(got) == pytest.approx(_reference(logits, windows, 50), rel=1e-5)
-    assert float(got) > 0
+    gen = torch.Generator().manual_seed(seed)
+    second, third = (torch.randn(4, 9, VOCAB, generator=gen) * 3 for _ in range(2))
+    got = _term(windows, second, third, 50, first_target)
+    want = _reference(lambda r, j, level: (second, third)[level - 1][r, j], windows, 50,
+                      first_target)
+    assert got == pytest.approx(want, rel=1e-5) and got > 0
 
 
 def test_what_is_penalised_and_what_is_not():
     a, b = (1, 2, 3), (1, 4, 5)
-    cases = {
-        "a repeat of the same item": ([[a, a]], 0.0),
-        "another first token": ([[(6, 2, 3), a]], 0.0),
-        "the later item's tokens never count for an earlier one": ([[b, a]], None),
-        "padding after a short window": ([[a], [a, b, a]], None),
-    }
-    for name, (windows, expected) in cases.items():
-        ids, lengths = _batch(windows)
-        logits = torch.randn(len(windows), ids.shape[1], VOCAB)
-        got = float(seen_unlikelihood(logits, ids, lengths, num_targets=1))
-        want = _reference(logits, windows, 1) if expected is None else expected
-        assert got == pytest.approx(want, rel=1e-5, abs=1e-7), name
-    # a seen second token at probability one costs -log(MIN_COMPLEMENT), not infinity
-    ids, lengths = _batch([[a, b]])
-    logits = torch.zeros(1, ids.shape[1], VOCAB)
-    logits[0, 4, 2] = 100.0                        # predicting b's 2nd token: a's, surely
-    got = float(seen_unlikelihood(logits, ids, lengths, num_targets=1))
-    assert got == pytest.approx(-math.log(MIN_COMPLEMENT), rel=1e-4)
+    second, third = torch.randn(2, 3, VOCAB), torch.randn(2, 3, VOCAB)
+    assert _term([[a, a]], second[:1, :2], third[:1, :2]) == 0          # a real repeat
+    assert _term([[(6, 2, 3), a]], second[:1, :2], third[:1, :2]) == 0  # another first token
+    # b then a: only a (j = 1) is a target with b before it; padding rows never count
+    got = _term([[b, a], [a, b, a]], second[:, :3], third[:, :3])
+    p = second.softmax(-1)
+    want = -math.log(1 - p[0, 1, 4]) - math.log(1 - p[1, 1, 2]) - math.log(1 - p[1, 2, 4])
+    assert got == pytest.approx(want, rel=1e-5)
+    # a seen token at probability one costs -log(MIN_COMPLEMENT), not infinity
+    sure = torch.zeros(1, 2, VOCAB)
+    sure[0, 1, 2] = 100.0
+    assert _term([[a, b]], sure, torch.zeros(1, 2, VOCAB)) == pytest.approx(
+        -math.log(MIN_COMPLEMENT), rel=1e-4)
 
 
-def test_the_training_loss_adds_the_weighted_term_and_its_gradient_lowers_a_seen_token():
-    config = model_config("qwen3", VOCAB, hidden=16, layers=1, heads=2, max_positions=32,
+def _model(family: str, weight: float) -> TrainableModel:
+    config = model_config(family, VOCAB, hidden=16, layers=1, heads=2, max_positions=32,
                           bos_id=0)
-    windows = [[(1, 2, 3), (1, 4, 5), (1, 2, 6)]]
-    batch = [np.array([0, *[t for item in w for t in item]]) for w in windows]
-    plain = TrainableModel.create(config, seed=0)
-    weighted = TrainableModel.create(config, seed=0, seen_unlikelihood=2.0)
-    ce, targets = plain.loss(batch)
-    total, _ = weighted.loss(batch)
-    ids, lengths = _batch(windows)
-    term = seen_unlikelihood(plain.forward(batch)[0].logits, ids, lengths, targets)
-    assert float(total.detach()) == pytest.approx(float(ce.detach()) + 2.0 * float(term.detach()), rel=1e-5)
-    assert float(term) > 0
-    # one step on the term alone lowers p(4 | 1) where the third item is predicted
-    optimizer = torch.optim.SGD(weighted.hf.parameters(), lr=0.5)
+    return TrainableModel.create(config, seed=0, seen_unlikelihood=weight)
 
-    def seen_probability() -> float:
+
+WINDOWS = [[(1, 2, 3), (1, 4, 5), (1, 2, 6), (7, 2, 3)], [(1, 4, 5), (1, 4, 6)]]
+
+
+def _predictions(family: str, logits: torch.Tensor):
+    """Where each family's logits of item j's token `level` are, from its layout's docs."""
+    if family == "qwen3":   # BOS, then 3 tokens per item: position 3j + level predicts it
+        return lambda row, j, level: logits[row, 3 * j + level]
+    # decoder blocks [start, c1, c2] of targets 1 .. n: block j - 1, offset level
+    return lambda row, j, level: logits[row, 3 * (j - 1) + level]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "onerec"])
+def test_each_family_adds_the_weighted_term_at_its_own_positions(family):
+    batch = [np.array([0, *[t for item in w for t in item]]) for w in WINDOWS]
+    plain, weighted = _model(family, 0.0), _model(family, 2.0)
+    with torch.no_grad():
+        ce, targets = plain.loss(batch)
+        total, _ = weighted.loss(batch)
+        logits = plain.forward(batch)[0].logits
+    first = 1 if family == "onerec" else 0
+    term = _reference(_predictions(family, logits), WINDOWS, targets, first)
+    assert term > 0
+    assert float(total) == pytest.approx(float(ce) + 2.0 * term, rel=1e-5)
+    if family == "onerec":   # the layout read above is the one the decoder is fed
+        labels = seq2seq_inputs(batch, 0)["labels"][0]
+        assert labels[:9].tolist() == [t for item in WINDOWS[0][1:] for t in item]
+
+
+def test_a_step_on_the_term_lowers_a_seen_continuation():
+    model = _model("qwen3", 1.0)
+    batch = [np.array([0, *[t for item in WINDOWS[0] for t in item]])]
+    optimizer = torch.optim.SGD(model.hf.parameters(), lr=0.5)
+
+    def seen_probability() -> float:    # p(4 | 1) where item 2's second token is predicted
         with torch.no_grad():
-            return float(weighted.forward(batch)[0].logits[0, 7].softmax(-1)[4])
+            return float(model.forward(batch)[0].logits[0, 7].softmax(-1)[4])
     before = seen_probability()
     optimizer.zero_grad()
-    (weighted.loss(batch)[0] - weighted.forward(batch)[0].loss).backward()
+    (model.loss(batch)[0] - model.forward(batch)[0].loss).backward()
     optimizer.step()
     assert seen_probability() < before
 
 
-def test_options_reject_a_negative_weight_and_the_encoder_decoder():
+def test_options_reject_a_negative_weight():
     with pytest.raises(ValueError, match="seen_unlikelihood: got -1"):
         TrainOptions(seen_unlikelihood=-1.0).check()
-    with pytest.raises(ValueError, match="decoder-only family"):
-        TrainOptions(family="onerec", seen_unlikelihood=1.0).check()
-    config = model_config("onerec", VOCAB, hidden=16, layers=1, heads=2, max_positions=32,
-                          bos_id=0)
-    with pytest.raises(ValueError, match="decoder-only family only"):
-        TrainableModel.create(config, seed=0, seen_unlikelihood=1.0)

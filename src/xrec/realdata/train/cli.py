@@ -24,7 +24,7 @@ _HELP = {
     "dropout": "dropout on the embeddings and each attention and feed-forward output "
                "(training only)",
     "seen_unlikelihood": "weight of a term that pushes down the items a training window "
-                         "already holds (decoder-only; 0: cross-entropy alone)",
+                         "already holds (0: cross-entropy alone)",
     "valid_users": "validation users (0: all)",
     "valid_beam_width": "beam width of the validation search",
     "patience": "epochs without a better validation HR@10 before stopping",

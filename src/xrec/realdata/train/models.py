@@ -58,7 +58,7 @@ class TrainableModel:
 
     config: ModelConfig | QwenConfig
     hf: Any
-    seen_unlikelihood: float = 0.0   # weight of `repeats.seen_unlikelihood` (decoder-only)
+    seen_unlikelihood: float = 0.0   # weight of `repeats.seen_unlikelihood`
 
     @classmethod
     def create(cls, config: ModelConfig | QwenConfig, seed: int, dropout: float = 0.0,
@@ -67,9 +67,7 @@ class TrainableModel:
         feed-forward output before its residual add (T5's own `dropout_rate`, which also drops
         attention weights; hooks on Qwen3, which has none). Training only: the written
         directory has no dropout to turn off. `seen_unlikelihood`: the weight of the term that
-        pushes down items the window already holds (decoder-only; `repeats.py`)."""
-        if seen_unlikelihood and config.is_encoder_decoder:
-            raise ValueError("seen_unlikelihood: the decoder-only family only")
+        pushes down items the window already holds (`repeats.py`)."""
         torch.manual_seed(seed)
         if config.is_encoder_decoder:
             from transformers import T5ForConditionalGeneration
@@ -117,10 +115,21 @@ class TrainableModel:
         targets = int((labels != IGNORE).sum())
         if not self.seen_unlikelihood:
             return out.loss, targets
-        ids, _ = collate(list(batch))
-        lengths = torch.as_tensor([(len(s) - 1) // 3 for s in batch])
-        term = seen_unlikelihood(out.logits, torch.as_tensor(ids), lengths, targets)
+        second, third, tokens, real, first = self.item_logits(out.logits, batch)
+        term = seen_unlikelihood(second, third, tokens, real, targets, first)
         return out.loss + self.seen_unlikelihood * term, targets
+
+    def item_logits(self, logits: torch.Tensor, batch: list[np.ndarray]) -> tuple:
+        """A batch's logits per window item, as `seen_unlikelihood` reads them: (second
+        [B, L, V], third [B, L, V], tokens [B, L, 3], real [B, L]) and `first_target`, the
+        first item with a prediction (the encoder-decoder's item 0 is only a prompt)."""
+        tokens, real = _item_tokens(batch)
+        if self.config.is_encoder_decoder:    # block k - 1 = [start, c1, c2] of target item k
+            return (F.pad(logits[:, 1::3], (0, 0, 1, 0)), F.pad(logits[:, 2::3], (0, 0, 1, 0)),
+                    tokens, real, 1)
+        # a causal window: logits at position t predict token t + 1; item j at 1 + 3j ...
+        items = tokens.shape[1]
+        return logits[:, 1:3 * items:3], logits[:, 2:3 * items:3], tokens, real, 0
 
     def forward(self, batch: list[np.ndarray]) -> tuple[Any, torch.Tensor]:
         """The Hugging Face output (logits, loss) over a batch of training sequences
@@ -135,6 +144,14 @@ class TrainableModel:
         labels = torch.as_tensor(np.where(mask == 1, ids, IGNORE))
         out = self.hf(input_ids=torch.as_tensor(ids), labels=labels)
         return out, labels[:, 1:]
+
+
+def _item_tokens(windows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows of BOS + 3 tokens per item -> their items' tokens [B, L, 3] (padded with 0)
+    and which are real [B, L]."""
+    ids, mask = collate([w[1:] for w in windows])                       # [B, 3L]
+    return (torch.as_tensor(ids).view(len(windows), -1, 3),
+            torch.as_tensor(mask[:, ::3] == 1))
 
 
 def _residual_dropout(hf, p: float) -> None:

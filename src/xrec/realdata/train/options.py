@@ -30,7 +30,7 @@ class TrainOptions:
     weight_decay: float = 0.01
     warmup_steps: int = 200
     dropout: float = 0.0           # on embeddings and residual branches, training only
-    seen_unlikelihood: float = 0.0  # weight of the seen-item unlikelihood (decoder-only)
+    seen_unlikelihood: float = 0.0  # weight of the seen-item unlikelihood (train/repeats.py)
     valid_users: int = 1000        # validation HR@10 on this many users (0: all)
     valid_beam_width: int = 20
     patience: int = 3              # epochs without a better validation HR@10
@@ -54,8 +54,6 @@ class TrainOptions:
             raise ValueError(f"dropout: got {self.dropout}, expected 0 <= dropout < 1")
         if self.seen_unlikelihood < 0:
             raise ValueError(f"seen_unlikelihood: got {self.seen_unlikelihood}, expected >= 0")
-        if self.seen_unlikelihood and self.family != "qwen3":
-            raise ValueError("seen_unlikelihood: the decoder-only family (qwen3) only")
         if not self.lr > 0:
             raise ValueError(f"lr: got {self.lr}, expected > 0")
         if self.hidden % self.heads:
