@@ -169,3 +169,50 @@ def test_eval_retrains_sasrec_for_the_epochs_validation_chose(tmp_path, monkeypa
     assert facts["train_seconds"] == pytest.approx(
         round(first.epoch_logs[-1].seconds, 1) + facts["refit_seconds"], abs=0.11)
     assert any(note.startswith("sasrec: early stopping") for note in report["notes"])
+
+
+def test_the_cache_trains_once_per_data_and_configuration(tmp_path, split):
+    from xrec.realdata.train.sasrec_cache import trained_sasrec
+    config = SASRecConfig(**{**SMALL.__dict__, "epochs": 2})
+    first = trained_sasrec(split, config, progress=False, cache=tmp_path)
+    again = trained_sasrec(split, config, progress=False, cache=tmp_path)
+    assert (first.reused, again.reused) == (False, True)
+    assert len(list(tmp_path.glob("*.pt"))) == 1
+    for name, tensor in first.state_dict().items():
+        torch.testing.assert_close(again.state_dict()[name], tensor, rtol=0, atol=0)
+    assert again.epoch_logs == first.epoch_logs and not again.training
+    # where it runs is not what it learns; another seed or other data is another model
+    threads = SASRecConfig(**{**config.__dict__, "num_threads": 2})
+    assert trained_sasrec(split, threads, progress=False, cache=tmp_path).reused
+    seed = SASRecConfig(**{**config.__dict__, "seed": 4})
+    assert not trained_sasrec(split, seed, progress=False, cache=tmp_path).reused
+    assert not trained_sasrec(cycle_split(seed=1), config, progress=False, cache=tmp_path).reused
+    assert len(list(tmp_path.glob("*.pt"))) == 3
+    # a torn entry is trained again and replaced; a wall-time cap is never cached
+    entry = next(p for p in tmp_path.glob("*.pt") if p.stat().st_mtime == min(
+        q.stat().st_mtime for q in tmp_path.glob("*.pt")))
+    entry.write_bytes(entry.read_bytes()[:100])
+    models = [trained_sasrec(split, config, progress=False, cache=tmp_path) for _ in range(2)]
+    assert [m.reused for m in models] == [False, True]
+    capped = SASRecConfig(**{**config.__dict__, "max_seconds": 600.0})
+    assert not trained_sasrec(split, capped, progress=False, cache=tmp_path / "capped").reused
+    assert not (tmp_path / "capped").exists() and not list(tmp_path.glob(".sasrec-*"))
+
+
+def test_eval_ranks_the_sasrec_that_sid_build_trained(tmp_path):
+    """`xrec sid build --embeddings sasrec` then `xrec eval`: one early-stopped SASRec,
+    trained by the first and loaded by the second (same split, same configuration)."""
+    from xrec.realdata.evaluate import run
+    from xrec.realdata.sid.build import build_sid_dir
+
+    split, cache = cycle_split(num_items=60), tmp_path / "sasrec"
+    build_sid_dir(split, tmp_path / "sid", embeddings="sasrec", codebook_size=8,
+                  sasrec_cache=cache)
+    options = run.EvalOptions(baselines=("sasrec",), sasrec_cache=str(cache))
+    first, second = (run.evaluate(split, [], tmp_path / out, options, progress=False,
+                                  log=lambda *_: None)
+                     for out in ("eval-1", "eval-2"))
+    assert first["training"]["sasrec"]["reused"] and not first["training"]["sasrec"]["refit_reused"]
+    assert second["training"]["sasrec"]["refit_reused"]
+    assert second["metrics"] == first["metrics"]
+    assert any("earlier command's training" in note for note in first["notes"])

@@ -65,7 +65,8 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"[data] {args.dataset}: {len(split.data):,} interactions, {split.data.num_users:,} "
           f"users, {split.data.num_items:,} items ({time.perf_counter() - started:.1f} s)")
     stage("sid", (run / "sid").exists(),
-          lambda: print(_summary(build_sid_dir(split, run / "sid", progress=progress))))
+          lambda: print(_summary(build_sid_dir(split, run / "sid", progress=progress,
+                                               sasrec_cache=run / "sasrec"))))
     for family in families:
         stage(f"train {family}", (run / family).exists(),
               lambda: train(split, run / "sid", run / family, TrainOptions(family=family),
@@ -73,7 +74,8 @@ def run_demo(args: argparse.Namespace) -> int:
     baselines = () if args.baselines == "none" else tuple(args.baselines.split(","))
     models = [run / f for f in families]
     stage("eval", (run / "eval" / "eval.json").exists() and not args.redo_eval,
-          lambda: evaluate(split, models, run / "eval", EvalOptions(baselines=baselines),
+          lambda: evaluate(split, models, run / "eval",
+                           EvalOptions(baselines=baselines, sasrec_cache=str(run / "sasrec")),
                            progress=progress))
     print((run / "eval" / "eval.md").read_text())
     _show_users(split, models[0], args.users)

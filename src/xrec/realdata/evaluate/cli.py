@@ -71,7 +71,8 @@ def run_eval(args: argparse.Namespace) -> int:
     options = EvalOptions(stage=args.stage, beam_width=args.beam_width, normalize=args.normalize,
                           baselines=baselines, sasrec_minutes=args.sasrec_minutes, seed=args.seed,
                           sasrec_refit=not args.no_sasrec_refit,
-                          exclude_seen=args.exclude_seen, dtype=args.dtype)
+                          exclude_seen=args.exclude_seen, dtype=args.dtype,
+                          sasrec_cache=str(run_dir(args.data) / "sasrec"))
     models = [Path(m) for m in args.model] or trained_models(run_dir(args.data))
     if not models and not baselines:
         raise ValueError("nothing to evaluate: no --model, no model under the run directory, "

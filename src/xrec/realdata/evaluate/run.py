@@ -53,6 +53,7 @@ class EvalOptions:
     baselines: tuple[str, ...] = ("most-popular", "item-knn", "sasrec")
     sasrec_minutes: float | None = None   # SASRec's wall-time cap (None: to convergence)
     sasrec_refit: bool = True   # test stage: retrain SASRec on all but the test item (below)
+    sasrec_cache: str | None = None   # a directory of trained SASRecs (train/sasrec_cache.py)
     seed: int = 0
     exclude_seen: bool = False
     dtype: str = "float32"
@@ -131,7 +132,7 @@ def evaluate(split: Split, model_dirs: list[Path], out_dir: Path, options: EvalO
               "seconds": {n: round(t, 2) for n, t in timings.items()},
               "published": PUBLISHED.get(split.data.name, {}),
               "models": {_model_name(d): str(d) for d in model_dirs},
-              "notes": _notes(options, bool(model_dirs))}
+              "notes": _notes(options, bool(model_dirs), training.get("sasrec", {}))}
     _write(out_dir, report, split, users, targets, rankings, model_dirs)
     return report
 
@@ -142,9 +143,15 @@ def _model_name(model_dir: Path) -> str:
     return f"{family} ({Path(model_dir).name})"
 
 
-def _notes(options: EvalOptions, has_models: bool) -> list[str]:
+def _notes(options: EvalOptions, has_models: bool, sasrec_facts: dict) -> list[str]:
     """What a reader must know to compare the rows."""
     notes = []
+    reused = [what for what, key in (("early-stopped", "reused"), ("final fit", "refit_reused"))
+              if sasrec_facts.get(key)]
+    if reused:
+        notes.append(f"sasrec: the {' and '.join(reused)} model(s) came from an earlier "
+                     f"command's training on the same data and configuration (cached in "
+                     f"{options.sasrec_cache}); its epochs and seconds are that training's")
     if "sasrec" in options.baselines and options.stage == "test" and options.sasrec_refit:
         notes.append("sasrec: early stopping on validation chose its epoch count; the model "
                      "ranked here then trained that many epochs on every item but the test "
@@ -218,10 +225,11 @@ def _rank_baseline(name: str, split: Split, options: EvalOptions, k: int, progre
     (`Split.without_validation`, the published protocol's training data) and is the one
     ranked; its epochs and seconds are in the facts too."""
     if name == "sasrec":
-        from xrec.realdata.train.sasrec import SASRecConfig, rank_sasrec, train_sasrec
+        from xrec.realdata.train.sasrec import SASRecConfig, rank_sasrec
+        from xrec.realdata.train.sasrec_cache import trained_sasrec
         cap = None if options.sasrec_minutes is None else 60 * options.sasrec_minutes
         config = SASRecConfig(seed=options.seed, max_seconds=cap)
-        model = train_sasrec(split, config, progress=progress)
+        model = trained_sasrec(split, config, progress, options.sasrec_cache)
         logs = model.epoch_logs
         validated = [log for log in logs if log.valid_hr10 is not None]
         best = max(validated, key=lambda log: (log.valid_hr10, log.valid_ndcg10), default=None)
@@ -229,11 +237,13 @@ def _rank_baseline(name: str, split: Split, options: EvalOptions, k: int, progre
         facts = {"epochs": len(logs), "best_epoch": best_epoch,
                  "parameters": sum(p.numel() for p in model.parameters()),
                  "train_seconds": round(logs[-1].seconds, 1),
-                 "valid_hr@10": [round(log.valid_hr10, 4) for log in validated]}
+                 "valid_hr@10": [round(log.valid_hr10, 4) for log in validated],
+                 "reused": model.reused}
         if options.stage == "test" and options.sasrec_refit:
-            model = train_sasrec(split.without_validation(),
-                                 replace(config, epochs=best_epoch, max_seconds=None),
-                                 progress=progress)
+            model = trained_sasrec(split.without_validation(),
+                                   replace(config, epochs=best_epoch, max_seconds=None),
+                                   progress, options.sasrec_cache)
+            facts["refit_reused"] = model.reused
             facts["refit_epochs"] = best_epoch
             facts["refit_seconds"] = round(model.epoch_logs[-1].seconds, 1)
             facts["train_seconds"] = round(facts["train_seconds"] + facts["refit_seconds"], 1)

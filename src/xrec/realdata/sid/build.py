@@ -190,11 +190,12 @@ def write_sid_dir(out_dir: str | os.PathLike, data: Interactions, result: SidRes
 def build_sid_dir(split: Split, out_dir: str | os.PathLike, *, embeddings: str = "sasrec",
                   dim: int = 64, codebook_size: int = DEFAULT_CODEBOOK_SIZE,
                   collisions: str = "reassign", seed: int = 0, replace: bool = False,
-                  progress: bool = False) -> dict:
+                  progress: bool = False, sasrec_cache: str | os.PathLike | None = None) -> dict:
     """Embeddings → IDs → `write_sid_dir`, for `split` (SASRec and SVD use its training part).
     `embeddings`: "sasrec" (the item table of a SASRec trained on the training part; the
     default, docs/decisions.md "Semantic IDs from SASRec's item table"), "svd", "text" (item
-    titles, all-MiniLM-L6-v2) or a `.npy` path. `progress`: SASRec's epochs on stderr.
+    titles, all-MiniLM-L6-v2) or a `.npy` path. `progress`: SASRec's epochs on stderr;
+    `sasrec_cache`: where the SASRec is kept for `xrec eval`, or found (`sasrec_cache.py`).
     Returns the report written to sid_report.json."""
     from xrec.realdata.sid import embeddings as embed
 
@@ -204,7 +205,8 @@ def build_sid_dir(split: Split, out_dir: str | os.PathLike, *, embeddings: str =
         vectors = embed.interaction_embeddings(split, dim=dim, seed=seed)
         source = {"embeddings": "svd", "dim": dim, "embedding_input": "training interactions"}
     elif embeddings == "sasrec":
-        vectors = embed.sasrec_embeddings(split, seed=seed, progress=progress)
+        vectors = embed.sasrec_embeddings(split, seed=seed, progress=progress,
+                                          cache=sasrec_cache)
         source = {"embeddings": "sasrec", "dim": int(vectors.shape[1]),
                   "embedding_input": "training interactions"}
     elif embeddings == "text":

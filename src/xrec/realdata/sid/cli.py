@@ -79,9 +79,12 @@ def run_sid_build(args: argparse.Namespace) -> int:
         out = xrec_home() / "runs" / data.name / "sid"
     if out.exists() and not args.force:
         raise ValueError(f"{out} exists: pass --force to replace it, or --out elsewhere")
+    from xrec.realdata.train.cli import run_dir
+
     report = build_sid_dir(split, out, embeddings=args.embeddings, dim=args.dim,
                            codebook_size=args.codebook_size, collisions=args.collisions,
-                           seed=args.seed, replace=args.force, progress=True)
+                           seed=args.seed, replace=args.force, progress=True,
+                           sasrec_cache=run_dir(args.data) / "sasrec")
     print(f"{report['num_items']} items -> {report['num_ids']} IDs "
           f"(codebook {report['codebook_size']} x 3, collisions={report['collisions']}, "
           f"max {report['max_items_per_id']} items per ID); raw collision rate "

@@ -92,15 +92,19 @@ def _text_model_dir() -> Path:
 
 
 def sasrec_embeddings(split: Split, seed: int = 0, progress: bool = False,
-                      config: SASRecConfig | None = None) -> np.ndarray:
+                      config: SASRecConfig | None = None,
+                      cache: str | os.PathLike | None = None) -> np.ndarray:
     """float32 [num_items, hidden]: the item table of a SASRec (`xrec eval`'s baseline,
     `xrec.realdata.train.sasrec`) trained on `split.train` with early stopping on its `valid`
     stage, each row L2-normalised (its scores are cosines, so only the direction is
     learned). Items absent from training get a zero row, as in `interaction_embeddings`.
-    `config`: a `SASRecConfig` (default: the baseline's, with `seed`)."""
-    from xrec.realdata.train.sasrec import SASRecConfig, train_sasrec
+    `config`: a `SASRecConfig` (default: the baseline's, with `seed`); `cache`: a directory
+    where the trained SASRec is kept for `xrec eval`'s baseline, or found
+    (`xrec.realdata.train.sasrec_cache`)."""
+    from xrec.realdata.train.sasrec import SASRecConfig
+    from xrec.realdata.train.sasrec_cache import trained_sasrec
 
-    model = train_sasrec(split, config or SASRecConfig(seed=seed), progress=progress)
+    model = trained_sasrec(split, config or SASRecConfig(seed=seed), progress, cache)
     table = model.item_emb.weight[1:].detach().float().cpu().numpy()  # [I, H], row = item index
     trained = np.zeros(split.data.num_items, dtype=bool)                  # [I]
     trained[np.concatenate([np.zeros(0, np.int64), *split.train])] = True
