@@ -127,7 +127,8 @@ class TrainableModel:
         if self.config.is_encoder_decoder:    # block k - 1 = [start, c1, c2] of target item k
             return (F.pad(logits[:, 1::3], (0, 0, 1, 0)), F.pad(logits[:, 2::3], (0, 0, 1, 0)),
                     tokens, real, 1)
-        # a causal window: logits at position t predict token t + 1; item j at 1 + 3j ...
+        # a causal window (BOS, then 3 tokens per item): position 1 + 3j holds item j's first
+        # token and predicts its second, position 2 + 3j predicts its third
         items = tokens.shape[1]
         return logits[:, 1:3 * items:3], logits[:, 2:3 * items:3], tokens, real, 0
 
