@@ -130,8 +130,7 @@ def measure(setting: dict) -> dict:
         torch.randn(512, 512) @ torch.randn(512, 512)   # the host's own torch work, main thread
     loop = _HostLoop() if setting["condition"] == "host-loop" else None
     solo_rate = loop.solo_rate() if loop else None
-    options = {**({"num_threads": setting["threads"]} if setting["threads"] else {}),
-               **dtype_option(setting)}
+    options = _engine_options(setting)
     engine = Engine.from_pretrained(setting["model_dir"], isolation=setting["isolation"], **options)
     try:
         limits = engine.limits
@@ -165,8 +164,7 @@ def _transport(setting: dict) -> dict:
     from xrec import Engine, RecRequest
     from xrec.utils.fresh_thread import in_fresh_thread
 
-    options = {**({"num_threads": setting["threads"]} if setting["threads"] else {}),
-               **dtype_option(setting)}
+    options = _engine_options(setting)
     with in_fresh_thread(lambda: Engine.from_pretrained(setting["model_dir"], isolation="thread",
                                                         **options)) as local, \
             Engine.from_pretrained(setting["model_dir"], isolation="process", **options) as child:
@@ -219,6 +217,12 @@ class _HostLoop:
         self.stopping.set()
         self.thread.join()
         return self.count / (time.perf_counter() - self.started)
+
+
+def _engine_options(setting: dict) -> dict:
+    """The engine options a setting asks for: threads and dtype where given."""
+    return {**({"num_threads": setting["threads"]} if setting["threads"] else {}),
+            **dtype_option(setting)}
 
 
 if __name__ == "__main__":
