@@ -91,7 +91,9 @@ def _summary(report: dict) -> str:
 
 def _show_users(split, model_dir: Path, count: int) -> None:
     """A few test users: their last movies, and the model's top 10 (the true next movie
-    marked)."""
+    marked) among the movies they have not rated yet: their history goes with the request as
+    `exclude_items`, as a deployment would send it (the measured rows of `eval.md` keep the
+    plain protocol, where nothing is excluded)."""
     from xrec.realdata.ranking import GenerativeRanker
 
     data = split.data
@@ -100,19 +102,23 @@ def _show_users(split, model_dir: Path, count: int) -> None:
     histories = split.history("test")
     ranker = GenerativeRanker.open(model_dir, data.num_items)
     try:
-        ranked = ranker.rank(split, "test", 10, 64, users=users)
-        prompt = ranker.vocab.item_tokens[histories[users[0]][-5:]].ravel().tolist()
+        ranked = ranker.rank(split, "test", 10, 64, users=users, exclude_seen_in_search=True)
+        last = histories[users[0]][-5:]
+        prompt = ranker.vocab.item_tokens[last].ravel().tolist()
     finally:
         ranker.close()
     for user, row in zip(users, ranked):
         print(f"user {data.user_ids[user]}, last movies:")
         for item in histories[user][-5:]:
             print(f"    {titles[item]}")
-        print("  top 10:")
+        print("  top 10 of the movies not rated yet:")
         for rank, item in enumerate(row, 1):
             mark = "  <- the movie this user watched next" if item == split.test[user] else ""
             print(f"  {rank:3d}. {titles[item] if item >= 0 else '-'}{mark}")
     bos = ranker.vocab.bos_id
-    print(f"a request by hand (user {data.user_ids[users[0]]}'s last 5 movies as tokens):\n"
+    request = {"token_ids": [bos, *prompt], "beam_width": 64, "num_return_sequences": 10,
+               "exclude_items": last.tolist()}
+    print(f"a request by hand (user {data.user_ids[users[0]]}'s last 5 movies as tokens, the same "
+          f"5 excluded from the answer):\n"
           f"  curl -s localhost:8000/v1/rec/completions -H 'content-type: application/json' "
-          f"-d '{json.dumps({'token_ids': [bos, *prompt], 'beam_width': 64, 'num_return_sequences': 10})}'")
+          f"-d '{json.dumps(request)}'")
