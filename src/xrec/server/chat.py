@@ -36,19 +36,17 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from xrec.api_types import RecRequest, RecResponse
 from xrec.errors import InvalidArgument
-from xrec.server.schemas import (EXCLUDE_HISTORY, EXCLUDE_ITEMS, ITEM_TYPES, N_RESULTS, STREAM,
-                                 STREAM_OPTIONS, STRICT, StreamOptions, filter_usage, filters_of,
-                                 num_results)
+from xrec.server.schemas import (N_RESULTS, STREAM, STREAM_OPTIONS, RecExtensions,
+                                 StreamOptions, filter_usage, filters_of, num_results)
 
 MAX_TOP_LOGPROBS = 20
 
 
-class ChatRequest(BaseModel):
-    model_config = STRICT
+class ChatRequest(RecExtensions):
     model: str | None = None
     messages: list[dict[str, Any]]
     beam_width: int | None = None
@@ -62,13 +60,6 @@ class ChatRequest(BaseModel):
     request_id: str | None = None
     stream: bool | None = Field(None, description=STREAM)
     stream_options: StreamOptions | None = Field(None, description=STREAM_OPTIONS)
-    # xrec extensions
-    normalize: str | None = None
-    return_items: bool = True
-    timeout_ms: float | None = None
-    exclude_items: list[int] | None = Field(None, description=EXCLUDE_ITEMS)
-    item_types: list[str] | None = Field(None, description=ITEM_TYPES)
-    exclude_history: bool = Field(False, description=EXCLUDE_HISTORY)
     # OpenAI fields accepted and ignored
     temperature: Any = None
     top_p: Any = None

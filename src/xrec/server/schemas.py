@@ -142,8 +142,20 @@ class Matrix(BaseModel):
     b64: str | None = None
 
 
-class NativeRequest(BaseModel):
+class RecExtensions(BaseModel):
+    """The fields of xrec's own that every request route takes, beyond its wire format's:
+    the search's normalisation, items in the answer, a deadline and the filters."""
+
     model_config = STRICT
+    normalize: str | None = None
+    return_items: bool = True
+    timeout_ms: float | None = None
+    exclude_items: list[int] | None = Field(None, description=EXCLUDE_ITEMS)
+    item_types: list[str] | None = Field(None, description=ITEM_TYPES)
+    exclude_history: bool = Field(False, description=EXCLUDE_HISTORY)
+
+
+class NativeRequest(RecExtensions):
     model: str | None = None
     token_ids: list[int] | None = None
     prompt: str | None = None
@@ -153,15 +165,9 @@ class NativeRequest(BaseModel):
     beam_width: int | None = None
     top_k: int | None = None
     num_return_sequences: int | None = None
-    normalize: str | None = None
     temperature: float | None = None
-    return_items: bool = True
-    timeout_ms: float | None = None
     seed: int | None = None
     request_id: str | None = None
-    exclude_items: list[int] | None = Field(None, description=EXCLUDE_ITEMS)
-    item_types: list[str] | None = Field(None, description=ITEM_TYPES)
-    exclude_history: bool = Field(False, description=EXCLUDE_HISTORY)
 
 
 class TensorContents(BaseModel):
@@ -192,10 +198,9 @@ class Routing(BaseModel):
     decode_name: str = ""
 
 
-class XllmRequest(BaseModel):
+class XllmRequest(RecExtensions):
     """xllm's `CompletionRequest` (completion.proto) as JSON, plus xrec extensions."""
 
-    model_config = STRICT
     model: str | None = None
     prompt: str | None = None
     token_ids: list[int] | None = None
@@ -210,14 +215,7 @@ class XllmRequest(BaseModel):
     n: int | None = Field(None, description=N_RESULTS)
     stream: bool | None = Field(None, description=STREAM)
     stream_options: StreamOptions | None = Field(None, description=STREAM_OPTIONS)
-    # xrec extensions
-    num_return_sequences: int | None = None
-    normalize: str | None = None
-    return_items: bool = True
-    timeout_ms: float | None = None
-    exclude_items: list[int] | None = Field(None, description=EXCLUDE_ITEMS)
-    item_types: list[str] | None = Field(None, description=ITEM_TYPES)
-    exclude_history: bool = Field(False, description=EXCLUDE_HISTORY)
+    num_return_sequences: int | None = None     # an xrec extension, as the others
     # proto fields accepted and ignored (OpenAI sampling knobs, serving hints)
     best_of: Any = None
     temperature: Any = None
@@ -326,7 +324,7 @@ def native_request(req: NativeRequest, request_id: str) -> RecRequest:
         seed=req.seed, **filters_of(req))
 
 
-def filters_of(req: Any) -> dict:
+def filters_of(req: RecExtensions) -> dict:
     """The filter fields of a parsed body (native, xllm or chat) as `RecRequest` keyword
     arguments; the engine checks them."""
     return {"exclude_items": req.exclude_items, "item_types": req.item_types,
