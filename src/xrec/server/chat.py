@@ -51,7 +51,6 @@ class ChatRequest(RecExtensions):
     messages: list[dict[str, Any]]
     beam_width: int | None = None
     n: int | None = Field(None, description=N_RESULTS)
-    num_return_sequences: int | None = None
     top_k: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None

@@ -144,9 +144,11 @@ class Matrix(BaseModel):
 
 class RecExtensions(BaseModel):
     """The fields of xrec's own that every request route takes, beyond its wire format's:
-    the search's normalisation, items in the answer, a deadline and the filters."""
+    the result count, the search's normalisation, items in the answer, a deadline and the
+    filters."""
 
     model_config = STRICT
+    num_return_sequences: int | None = None
     normalize: str | None = None
     return_items: bool = True
     timeout_ms: float | None = None
@@ -164,7 +166,6 @@ class NativeRequest(RecExtensions):
     decoder_context_embedding: Matrix | None = None
     beam_width: int | None = None
     top_k: int | None = None
-    num_return_sequences: int | None = None
     temperature: float | None = None
     seed: int | None = None
     request_id: str | None = None
@@ -215,7 +216,6 @@ class XllmRequest(RecExtensions):
     n: int | None = Field(None, description=N_RESULTS)
     stream: bool | None = Field(None, description=STREAM)
     stream_options: StreamOptions | None = Field(None, description=STREAM_OPTIONS)
-    num_return_sequences: int | None = None     # an xrec extension, as the others
     # proto fields accepted and ignored (OpenAI sampling knobs, serving hints)
     best_of: Any = None
     temperature: Any = None
