@@ -1,4 +1,5 @@
-"""The seen-item unlikelihood (`xrec.realdata.train.repeats`) against a loop written from its
+"""The training loss's extra terms: the seen-item unlikelihood (`xrec.realdata.train.repeats`)
+against a loop written from its
 definition, and its place in both families' training loss."""
 
 from __future__ import annotations
@@ -132,3 +133,31 @@ def test_a_step_on_the_term_lowers_a_seen_continuation():
 def test_options_reject_a_negative_weight():
     with pytest.raises(ValueError, match="seen_unlikelihood: got -1"):
         TrainOptions(seen_unlikelihood=-1.0).check()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "onerec"])
+def test_label_smoothing_mixes_the_models_own_loss_with_the_uniform_one(family):
+    """(1 - s) x Hugging Face's own cross-entropy (which aligns logits and labels itself) +
+    s x the mean over target positions of -log p averaged over the vocabulary."""
+    batch = [np.array([0, *[t for item in w for t in item]]) for w in WINDOWS]
+    config = model_config(family, VOCAB, hidden=16, layers=1, heads=2, max_positions=32,
+                          bos_id=0)
+    smoothed = TrainableModel.create(config, seed=0, label_smoothing=0.2)
+    with torch.no_grad():
+        out, _ = smoothed.forward(batch)
+        got, targets = smoothed.loss(batch)
+    log_p = out.logits.double().log_softmax(-1)
+    if family == "qwen3":   # every real token but the last predicts the next one
+        rows = [log_p[r, :len(w) - 1] for r, w in enumerate(batch)]
+    else:                   # one decoder position per target token
+        labels = seq2seq_inputs(batch, 0)["labels"]
+        rows = [log_p[r][labels[r] >= 0] for r in range(len(batch))]
+    uniform = -torch.cat(rows).mean(-1)
+    assert len(uniform) == targets
+    assert float(got) == pytest.approx(0.8 * float(out.loss) + 0.2 * float(uniform.mean()),
+                                       rel=1e-5)
+
+
+def test_label_smoothing_out_of_range_is_a_clear_error():
+    with pytest.raises(ValueError, match="label_smoothing"):
+        TrainOptions(label_smoothing=1.0).check()

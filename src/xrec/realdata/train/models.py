@@ -59,15 +59,17 @@ class TrainableModel:
     config: ModelConfig | QwenConfig
     hf: Any
     seen_unlikelihood: float = 0.0   # weight of `repeats.seen_unlikelihood`
+    label_smoothing: float = 0.0     # of the cross-entropy, over the whole vocabulary
 
     @classmethod
     def create(cls, config: ModelConfig | QwenConfig, seed: int, dropout: float = 0.0,
-               seen_unlikelihood: float = 0.0) -> TrainableModel:
+               seen_unlikelihood: float = 0.0, label_smoothing: float = 0.0) -> TrainableModel:
         """A freshly initialised model; `dropout`: on the embeddings and on each attention and
         feed-forward output before its residual add (T5's own `dropout_rate`, which also drops
         attention weights; hooks on Qwen3, which has none). Training only: the written
         directory has no dropout to turn off. `seen_unlikelihood`: the weight of the term that
-        pushes down items the window already holds (`repeats.py`)."""
+        pushes down items the window already holds (`repeats.py`); `label_smoothing`: of the
+        cross-entropy, as `F.cross_entropy` takes it."""
         torch.manual_seed(seed)
         if config.is_encoder_decoder:
             from transformers import T5ForConditionalGeneration
@@ -82,7 +84,7 @@ class TrainableModel:
             hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields))
             if dropout:
                 _residual_dropout(hf, dropout)
-        return cls(config, hf.float().train(), seen_unlikelihood)
+        return cls(config, hf.float().train(), seen_unlikelihood, label_smoothing)
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Weights saved by `save` (xrec's names; tied copies restored)."""
@@ -109,15 +111,21 @@ class TrainableModel:
         return {"lm_head.weight"} if self.config.tie_word_embeddings else set()
 
     def loss(self, batch: list[np.ndarray]) -> tuple[torch.Tensor, int]:
-        """Mean cross-entropy of a batch of training sequences (plus the weighted seen-item
-        unlikelihood, when asked) and its target count."""
+        """Mean cross-entropy of a batch of training sequences (label-smoothed and plus the
+        weighted seen-item unlikelihood, when asked) and its target count."""
         out, labels = self.forward(batch)
         targets = int((labels != IGNORE).sum())
+        loss = out.loss
+        if self.label_smoothing:
+            logits = out.logits if self.config.is_encoder_decoder else out.logits[:, :-1]
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                   labels.reshape(-1), ignore_index=IGNORE,
+                                   label_smoothing=self.label_smoothing)
         if not self.seen_unlikelihood:
-            return out.loss, targets
+            return loss, targets
         second, third, tokens, real, first = self.item_logits(out.logits, batch)
         term = seen_unlikelihood(second, third, tokens, real, targets, first)
-        return out.loss + self.seen_unlikelihood * term, targets
+        return loss + self.seen_unlikelihood * term, targets
 
     def item_logits(self, logits: torch.Tensor, batch: list[np.ndarray]) -> tuple:
         """A batch's logits per window item, as `seen_unlikelihood` reads them: (second

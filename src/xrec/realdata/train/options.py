@@ -31,6 +31,7 @@ class TrainOptions:
     warmup_steps: int = 200
     dropout: float = 0.0           # on embeddings and residual branches, training only
     seen_unlikelihood: float = 0.0  # weight of the seen-item unlikelihood (train/repeats.py)
+    label_smoothing: float = 0.0   # of the cross-entropy, over the whole vocabulary
     valid_users: int = 1000        # validation HR@10 on this many users (0: all)
     valid_beam_width: int = 20
     patience: int = 3              # epochs without a better validation HR@10
@@ -52,6 +53,9 @@ class TrainOptions:
                 raise ValueError(f"{name}: got {getattr(self, name)}, expected >= 1")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout: got {self.dropout}, expected 0 <= dropout < 1")
+        if not 0 <= self.label_smoothing < 1:
+            raise ValueError(f"label_smoothing: got {self.label_smoothing}, "
+                             f"expected 0 <= label_smoothing < 1")
         if self.seen_unlikelihood < 0:
             raise ValueError(f"seen_unlikelihood: got {self.seen_unlikelihood}, expected >= 0")
         if not self.lr > 0:

@@ -64,7 +64,7 @@ class _Run:
         self.split, self.vocab, self.config, self.options = split, vocab, config, options
         self.work, self.log, self.threads = work, log, threads
         self.model = TrainableModel.create(config, options.seed, options.dropout,
-                                            options.seen_unlikelihood)
+                                            options.seen_unlikelihood, options.label_smoothing)
         params = list(self.model.hf.parameters())
         decay = [p for p in params if p.dim() >= 2]
         rest = [p for p in params if p.dim() < 2]
