@@ -1,6 +1,6 @@
 """The training loss's extra terms: the seen-item unlikelihood (`xrec.realdata.train.repeats`)
-against a loop written from its
-definition, and its place in both families' training loss."""
+against a loop written from its definition, its place in both families' training loss, and
+label smoothing against Hugging Face's own loss."""
 
 from __future__ import annotations
 
