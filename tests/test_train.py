@@ -262,6 +262,22 @@ def test_final_fit_trains_on_the_validation_item_too_without_validating(split, s
         ranker.close()
 
 
+def test_shifted_windows_change_training_and_repeat_with_the_seed(split, sid_dir, tmp_path):
+    """`shifted_windows` cuts each epoch's windows from (seed, epoch): a second run (or a
+    resumed one) trains on the same windows; the weights differ from end-aligned windows'."""
+    from safetensors.torch import load_file
+    weights = {}
+    for name, shifted in (("a", True), ("b", True), ("plain", False)):
+        options = TrainOptions(family="qwen3", epochs=2, final=True, shifted_windows=shifted,
+                               **SMALL)
+        train(split, sid_dir, tmp_path / name, options, progress=False, log=lambda *_: None,
+              threads=1)
+        weights[name] = load_file(str(tmp_path / name / "model.safetensors"))
+    for name in weights["a"]:
+        torch.testing.assert_close(weights["a"][name], weights["b"][name], rtol=0, atol=0)
+    assert any(not torch.equal(weights["a"][n], weights["plain"][n]) for n in weights["a"])
+
+
 def test_bad_inputs_have_clear_errors(split, sid_dir, tmp_path):
     options = TrainOptions(family="qwen3", epochs=1, **SMALL)
     with pytest.raises(DataError, match="run `xrec sid build` first"):

@@ -70,32 +70,48 @@ def prompts(vocab: SidVocabulary, histories, max_items: int) -> list[list[int]]:
             for h in histories]
 
 
-def causal_windows(vocab: SidVocabulary, train, max_items: int) -> list[np.ndarray]:
+def causal_windows(vocab: SidVocabulary, train, max_items: int,
+                   rng: np.random.Generator | None = None) -> list[np.ndarray]:
     """Decoder-only training sequences: each user's training items cut into windows of at
     most `max_items` items aligned to the end (the last window ends at the user's last
     training item, as the prompts of validation and test do), each window BOS + its items'
-    tokens. Every token after BOS is a target: one pass trains every position."""
+    tokens. Every token after BOS is a target: one pass trains every position. `rng`: the
+    windows before the last shift by a random number of items (`_window_ends`)."""
     out = []
     for items in train:
-        for end in range(len(items), 0, -max_items):
+        for end in _window_ends(len(items), max_items, 0, rng):
             window = items[max(0, end - max_items):end]
             out.append(np.concatenate(([vocab.bos_id], vocab.item_tokens[window].ravel())))
     return out
 
 
-def seq2seq_windows(vocab: SidVocabulary, train, max_items: int) -> list[np.ndarray]:
+def seq2seq_windows(vocab: SidVocabulary, train, max_items: int,
+                    rng: np.random.Generator | None = None) -> list[np.ndarray]:
     """Encoder-decoder training sequences: each user's training items cut into windows of at
     most `max_items + 1` items aligned to the end, consecutive windows sharing one item, each
     window BOS + its items' tokens. Item k >= 1 of a window is a target whose prompt is BOS
     + the window's items before it (at most `max_items`, as at serving): every training item
     but a user's first is a target once per epoch, all of a window in one pass
-    (`xrec.realdata.train.models.seq2seq_inputs`)."""
+    (`xrec.realdata.train.models.seq2seq_inputs`). `rng`: as in `causal_windows`."""
     out = []
     for items in train:
-        for end in range(len(items), 1, -max_items):
+        for end in _window_ends(len(items), max_items, 1, rng):
             window = items[max(0, end - max_items - 1):end]
             out.append(np.concatenate(([vocab.bos_id], vocab.item_tokens[window].ravel())))
     return out
+
+
+def _window_ends(length: int, stride: int, stop: int,
+                 rng: np.random.Generator | None) -> list[int]:
+    """Where a sequence's windows end: every `stride` items back from its end while above
+    `stop`. With `rng`, the window ending at the last item stays and the others end a random
+    0 .. stride - 1 items earlier (one draw per sequence), so across epochs an item is trained
+    after contexts of every length, not always the same one; the last window's items that a
+    shifted window covers too are trained twice."""
+    shift = int(rng.integers(stride)) if rng is not None else 0
+    if not shift or length <= stop:
+        return list(range(length, stop, -stride))
+    return [length, *range(length - shift, stop, -stride)]
 
 
 def collate(sequences: list[np.ndarray], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:

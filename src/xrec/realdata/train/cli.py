@@ -26,6 +26,8 @@ _HELP = {
     "seen_unlikelihood": "weight of a term that pushes down the items a training window "
                          "already holds (0: cross-entropy alone)",
     "label_smoothing": "label smoothing of the cross-entropy (0: none)",
+    "shifted_windows": "each epoch, end every window but a user's last a random number of "
+                       "items earlier (each item meets contexts of every length)",
     "valid_users": "validation users (0: all)",
     "valid_beam_width": "beam width of the validation search",
     "patience": "epochs without a better validation HR@10 before stopping",

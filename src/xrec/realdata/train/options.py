@@ -32,6 +32,7 @@ class TrainOptions:
     dropout: float = 0.0           # on embeddings and residual branches, training only
     seen_unlikelihood: float = 0.0  # weight of the seen-item unlikelihood (train/repeats.py)
     label_smoothing: float = 0.0   # of the cross-entropy, over the whole vocabulary
+    shifted_windows: bool = False  # each epoch, windows before a user's last shift at random
     valid_users: int = 1000        # validation HR@10 on this many users (0: all)
     valid_beam_width: int = 20
     patience: int = 3              # epochs without a better validation HR@10

@@ -83,9 +83,12 @@ class _Run:
 
     # ---- the data of an epoch ------------------------------------------------------------
     def examples(self, epoch: int) -> list:
-        """The training sequences of an epoch (every epoch the same ones; `batches` shuffles)."""
+        """The training sequences of an epoch: the same ones every epoch (`batches`
+        shuffles), or with `shifted_windows` windows cut anew from the epoch's seed."""
         windows = seq2seq_windows if self.config.is_encoder_decoder else causal_windows
-        return windows(self.vocab, self.split.train, self.options.max_items)
+        rng = (np.random.default_rng([self.options.seed, epoch, 1])
+               if self.options.shifted_windows else None)
+        return windows(self.vocab, self.split.train, self.options.max_items, rng)
 
     def learning_rate(self, step: int) -> float:
         """Linear warm-up, then cosine decay to 0 over all epochs."""
@@ -93,7 +96,8 @@ class _Run:
         warm = min(self.options.warmup_steps, total // 10 + 1)
         if step < warm:
             return self.options.lr * (step + 1) / warm
-        return self.options.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
+        done = min(1.0, (step - warm) / max(1, total - warm))   # shifted windows vary the steps
+        return self.options.lr * 0.5 * (1 + math.cos(math.pi * done))
 
     # ---- resume --------------------------------------------------------------------------
     def resume_or_start(self) -> None:
