@@ -71,8 +71,9 @@ def trained(split, sid_dir):
             for family in ("qwen3", "onerec")}
 
 
-def _train(split, sid_dir, out, family, epochs=12):
-    train(split, sid_dir, out, TrainOptions(family=family, epochs=epochs, patience=20, **SMALL),
+def _train(split, sid_dir, out, family, epochs=12, **options):
+    train(split, sid_dir, out, TrainOptions(family=family, epochs=epochs, patience=20,
+                                            **SMALL, **options),
           progress=False, log=lambda *_: None, threads=1)
     return out
 
@@ -203,17 +204,19 @@ def test_agreement_by_hand():
         agreement(fp32, bf16[:1], metrics, metrics, k=4)
 
 
-def test_killed_run_resumes_where_it_stopped(split, sid_dir, tmp_path):
+@pytest.mark.parametrize("options", [{}, {"ema": 0.9}])
+def test_killed_run_resumes_where_it_stopped(split, sid_dir, tmp_path, options):
     """A run killed (SIGKILL) after its first epoch, started again with the same options,
-    ends with the weights of an uninterrupted run."""
-    straight = _train(split, sid_dir, tmp_path / "straight", "qwen3", epochs=3)
+    ends with the weights of an uninterrupted run (with `ema`: the average and the trained
+    weights both resume)."""
+    straight = _train(split, sid_dir, tmp_path / "straight", "qwen3", epochs=3, **options)
     out = tmp_path / "killed"
     script = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
               f"from test_train import walk_interactions, _train\n"
               f"from xrec.realdata.data import leave_one_out\n"
               f"from pathlib import Path\n"
               f"_train(leave_one_out(walk_interactions()), Path({str(sid_dir)!r}), "
-              f"Path({str(out)!r}), 'qwen3', epochs=3)\n")
+              f"Path({str(out)!r}), 'qwen3', epochs=3, **{options!r})\n")
     child = subprocess.Popen([sys.executable, "-c", script])
     state = tmp_path / "killed.partial" / "state.json"
     try:
@@ -229,7 +232,8 @@ def test_killed_run_resumes_where_it_stopped(split, sid_dir, tmp_path):
     epoch_at_kill = json.loads(state.read_text())["epoch"]
     assert 1 <= epoch_at_kill < 3
     logged = []
-    train(split, sid_dir, out, TrainOptions(family="qwen3", epochs=3, patience=20, **SMALL),
+    train(split, sid_dir, out, TrainOptions(family="qwen3", epochs=3, patience=20, **SMALL,
+                                            **options),
           progress=False, log=logged.append, threads=1)
     assert any("resuming" in line for line in logged)
     from safetensors.torch import load_file
@@ -276,6 +280,18 @@ def test_shifted_windows_change_training_and_repeat_with_the_seed(split, sid_dir
     for name in weights["a"]:
         torch.testing.assert_close(weights["a"][name], weights["b"][name], rtol=0, atol=0)
     assert any(not torch.equal(weights["a"][n], weights["plain"][n]) for n in weights["a"])
+
+
+def test_ema_writes_the_average_of_the_trained_weights(split, sid_dir, tmp_path):
+    """With a decay near 0 the average is the trained weights, so the written model is the
+    plain run's; with 0.9 it is not, and its validation is the average's."""
+    from safetensors.torch import load_file
+    runs = {decay: _train(split, sid_dir, tmp_path / f"ema{decay}", "qwen3", epochs=2,
+                          **({"ema": decay} if decay else {})) for decay in (0, 1e-9, 0.9)}
+    plain, tiny, average = (load_file(str(runs[d] / "model.safetensors")) for d in runs)
+    for name in plain:
+        torch.testing.assert_close(tiny[name], plain[name], rtol=0, atol=1e-6, msg=name)
+    assert any(not torch.allclose(average[n], plain[n]) for n in plain)
 
 
 def test_bad_inputs_have_clear_errors(split, sid_dir, tmp_path):

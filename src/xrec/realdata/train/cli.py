@@ -28,6 +28,8 @@ _HELP = {
     "label_smoothing": "label smoothing of the cross-entropy (0: none)",
     "shifted_windows": "each epoch, end every window but a user's last a random number of "
                        "items earlier (each item meets contexts of every length)",
+    "ema": "decay of an exponential moving average of the weights, which validation reads "
+           "and the written model holds (0: the trained weights; 0.999: ~1,000 steps)",
     "valid_users": "validation users (0: all)",
     "valid_beam_width": "beam width of the validation search",
     "patience": "epochs without a better validation HR@10 before stopping",

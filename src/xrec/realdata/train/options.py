@@ -33,6 +33,7 @@ class TrainOptions:
     seen_unlikelihood: float = 0.0  # weight of the seen-item unlikelihood (train/repeats.py)
     label_smoothing: float = 0.0   # of the cross-entropy, over the whole vocabulary
     shifted_windows: bool = False  # each epoch, windows before a user's last shift at random
+    ema: float = 0.0               # decay of the weights' moving average (0: none)
     valid_users: int = 1000        # validation HR@10 on this many users (0: all)
     valid_beam_width: int = 20
     patience: int = 3              # epochs without a better validation HR@10
@@ -54,6 +55,8 @@ class TrainOptions:
                 raise ValueError(f"{name}: got {getattr(self, name)}, expected >= 1")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout: got {self.dropout}, expected 0 <= dropout < 1")
+        if not 0 <= self.ema < 1:
+            raise ValueError(f"ema: got {self.ema}, expected 0 <= ema < 1")
         if not 0 <= self.label_smoothing < 1:
             raise ValueError(f"label_smoothing: got {self.label_smoothing}, "
                              f"expected 0 <= label_smoothing < 1")

@@ -3,8 +3,9 @@ through the serving engine after each epoch, early stopping, resumable checkpoin
 `final`: the final fit once validation has chosen the options: every item but the test one
 in training, all `epochs`, no validation (the last epoch is the model).
 
-Files: the run works in `OUT.partial/` (`last/`: the latest epoch, a servable model directory;
-`optimizer.safetensors`: its optimizer state; `best/`: the best epoch so far; `state.json`: where the run
+Files: the run works in `OUT.partial/` (`last/`: the latest epoch, a servable model directory,
+holding the weights' moving average with `ema`; `optimizer.safetensors`: its optimizer state
+and, with `ema`, the trained weights; `best/`: the best epoch so far; `state.json`: where the run
 stands, written last). A killed run started again with the same options continues after its
 last finished epoch. When training ends, `best/` becomes `OUT` (renamed whole: `OUT` never
 exists half-written) and `OUT.partial/` is deleted.
@@ -25,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from xrec.engine.threads import FollowFreeCores, training_threads
 from xrec.realdata.data import DataError, Split
+from xrec.realdata.train.average import WeightAverage
 from xrec.realdata.train.models import TrainableModel, batches, model_config
 from xrec.realdata.train.options import TrainOptions
 from xrec.realdata.sequences import SidVocabulary, causal_windows, seq2seq_windows
@@ -72,6 +74,7 @@ class _Run:
             [{"params": decay, "weight_decay": options.weight_decay},
              {"params": rest, "weight_decay": 0.0}], lr=options.lr)
         self.params = params
+        self.average = WeightAverage(params, options.ema) if options.ema else None
         self.epoch, self.step, self.history, self.best = 0, 0, [], None
         self.elapsed, self.stale = 0.0, 0
         rng = np.random.default_rng(options.seed)
@@ -113,6 +116,11 @@ class _Run:
                              f"({state['options']})")
         self.model.load_state(load_file(str(self.work / "last" / "model.safetensors")))
         optimizer = load_file(str(self.work / "optimizer.safetensors"))
+        if self.average is not None:    # last/ holds the average, the optimizer file the rest
+            self.average = WeightAverage(self.params, self.options.ema)
+            with torch.no_grad():
+                for i, p in enumerate(self.params):
+                    p.copy_(optimizer[f"{i}.trained"])
         for i, p in enumerate(self.params):
             if f"{i}.exp_avg" in optimizer:
                 self.optimizer.state[p] = {k: optimizer[f"{i}.{k}"]
@@ -126,7 +134,11 @@ class _Run:
     def checkpoint(self) -> None:
         last = self.work / "last"
         shutil.rmtree(last, ignore_errors=True)
-        self.model.save(last)
+        if self.average is None:
+            self.model.save(last)
+        else:
+            with self.average.in_place():
+                self.model.save(last)
         for f in self.vocab.directory.iterdir():
             if f.is_file():
                 shutil.copy2(f, last / f.name)
@@ -137,6 +149,8 @@ class _Run:
         for i, p in enumerate(self.params):
             for k, v in self.optimizer.state.get(p, {}).items():
                 optimizer[f"{i}.{k}"] = v.detach().clone()
+            if self.average is not None:
+                optimizer[f"{i}.trained"] = p.detach().clone()
         save_file(optimizer, str(self.work / "optimizer.safetensors"))
 
     def save_state(self) -> None:
@@ -169,6 +183,8 @@ class _Run:
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(self.params, 1.0)
                 self.optimizer.step()
+                if self.average is not None:
+                    self.average.update(self.step)
                 self.step += 1
                 total_loss += float(loss.detach()) * targets
                 total_targets += targets
