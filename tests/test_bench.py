@@ -85,6 +85,18 @@ def test_offline_quick_filter_row_is_paired_with_the_unfiltered_batch(home, tmp_
     assert "× unfiltered" in next(tmp_path.glob("*.md")).read_text()
 
 
+def test_offline_quick_float32_row_reads_what_the_dtype_buys(home, tmp_path):
+    """xrec-fp32: a second engine in float32 beside xrec's (here asked for bfloat16); xrec's
+    row reads the median of the paired ratios of their batch times."""
+    record = _run("offline", tmp_path, "--contenders", "xrec,xrec-fp32", "--dtype", "bfloat16")
+    assert record["model"]["engine_dtypes"] == {"xrec": "bfloat16", "xrec-fp32": "float32"}
+    for point in record["points"]:
+        rows = point["contenders"]
+        ratios = [f / x for f, x in zip(rows["xrec-fp32"]["wall_ms"], rows["xrec"]["wall_ms"])]
+        assert rows["xrec"]["speedup_vs_float32"] == pytest.approx(statistics.median(ratios))
+    assert "× xrec-fp32 (paired)" in next(tmp_path.glob("*.md")).read_text()
+
+
 def test_breakdown_quick_decoder_only(home, tmp_path):
     # --dtype reaches the engine (the suite's CPU "auto" is float32)
     record = _run("breakdown", tmp_path, "--family", "qwen3", "--dtype", "bfloat16")

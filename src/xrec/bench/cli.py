@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def contenders(p: argparse.ArgumentParser, default: str) -> None:
         p.add_argument("--contenders", type=_names, default=None,
-                       help=f"comma-separated among xrec, xrec-full, xrec-filter, hf, naive "
+                       help="comma-separated among xrec, xrec-full, xrec-filter, xrec-fp32 (xrec in "
+                            "float32 whatever --dtype says), hf, naive "
                             f"(default {default})")
         p.add_argument("--hf-repeats", type=int, default=None,
                        help="measured runs of the slow contenders hf and naive "

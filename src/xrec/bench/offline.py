@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
             workload = make_workload(contenders.vocab_size, num_requests, length, width, args.seed)
             rows = run_point(contenders, workload, args.warmup, args.repeats, slow_repeats,
                              args.device, bar)
-            _add_filter_ratio(rows)
+            _add_paired_ratios(rows)
             results.append({**workload.key, "targets": targets, "contenders": rows})
         bar.close()
     finally:
@@ -77,12 +77,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_filter_ratio(rows: dict[str, dict]) -> None:
-    """xrec-filter's batch time over xrec's, the median of the ratios of runs side by side
-    (interleaved: run i of each ran back to back)."""
-    if "xrec-filter" in rows and "xrec" in rows:
-        pairs = zip(rows["xrec-filter"]["wall_ms"], rows["xrec"]["wall_ms"])
-        rows["xrec-filter"]["vs_unfiltered"] = statistics.median(f / x for f, x in pairs)
+def _add_paired_ratios(rows: dict[str, dict]) -> None:
+    """Medians of the ratios of runs side by side (interleaved: run i of each ran back to
+    back): xrec-filter's batch time over xrec's, and xrec-fp32's over xrec's (what the
+    engine's dtype buys)."""
+    for other, key in (("xrec-filter", "vs_unfiltered"), ("xrec-fp32", "speedup_vs_float32")):
+        if other in rows and "xrec" in rows:
+            pairs = zip(rows[other]["wall_ms"], rows["xrec"]["wall_ms"])
+            ratio = statistics.median(o / x for o, x in pairs)
+            if key == "vs_unfiltered":
+                rows[other][key] = ratio
+            else:
+                rows["xrec"][key] = ratio
 
 
 def markdown(record: dict) -> str:
@@ -95,6 +101,9 @@ def markdown(record: dict) -> str:
             speedup = r.get("speedup_vs_hf")
             verdict = None if target is None or speedup is None else \
                 f"≥ {target:g}× {'met' if speedup >= target else 'MISSED'}"
+            if r.get("speedup_vs_float32") is not None:
+                verdict = "; ".join(filter(None, [verdict, f"{r['speedup_vs_float32']:.2f}× "
+                                                  f"xrec-fp32 (paired)"]))
             slowdown = r.get("vs_unfiltered")
             if slowdown is not None:
                 verdict = (f"{slowdown:.3f}× unfiltered (≤ {MAX_FILTER_SLOWDOWN:g}× "

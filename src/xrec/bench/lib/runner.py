@@ -13,7 +13,7 @@ from xrec.bench.lib.contenders import (HFContender, RunResult, XrecContender, bu
 from xrec.bench.lib.models import Workload, exclusions_of
 from xrec.utils.fresh_thread import in_fresh_thread
 
-CONTENDERS = ("xrec", "xrec-full", "xrec-filter", "hf", "naive")
+CONTENDERS = ("xrec", "xrec-full", "xrec-filter", "xrec-fp32", "hf", "naive")
 SLOW = ("hf", "naive")          # run --hf-repeats times instead of --repeats
 REFERENCE = "hf"
 
@@ -26,10 +26,12 @@ class Contenders:
     engine: Any = None
     vocab_size: int = 0
     info: dict = field(default_factory=dict)
+    float32_engine: Any = None      # xrec-fp32's: the engine in float32 whatever "auto" says
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
+        for engine in (self.engine, self.float32_engine):
+            if engine is not None:
+                engine.close()
 
 
 def load_contenders(names: list[str], model_dir: Path, device: str, threads: int | None,
@@ -51,6 +53,12 @@ def load_contenders(names: list[str], model_dir: Path, device: str, threads: int
         engine = Engine.from_pretrained(model_dir, isolation="thread",
                                         **{k: v for k, v in options.items() if v is not None})
         model = engine.model
+    float32_engine = None
+    if "xrec-fp32" in names:
+        options = {"device": device, "num_threads": threads, **(engine_options or {}),
+                   "dtype": "float32"}
+        float32_engine = Engine.from_pretrained(model_dir, isolation="thread", **{
+            k: v for k, v in options.items() if v is not None})
     if model is None or model.dtype != torch.float32:
         model = load_model(model_dir, device, torch.float32)
     if "naive" in names and not model.config.is_encoder_decoder:
@@ -69,6 +77,8 @@ def load_contenders(names: list[str], model_dir: Path, device: str, threads: int
         elif name == "xrec-filter":   # each request excludes 1,000 items and 2 subtrees
             by_name[name] = XrecContender(engine, "allowed", name,
                                           lambda w, c=catalog: exclusions_of(c, w, seed))
+        elif name == "xrec-fp32":
+            by_name[name] = XrecContender(float32_engine, "allowed", name)
         elif name == "hf":
             by_name[name] = HFContender(_hf_model(model, model_dir, device), trie)
         else:
@@ -80,12 +90,14 @@ def load_contenders(names: list[str], model_dir: Path, device: str, threads: int
     if engine is not None:
         info["engine_options"] = asdict(engine.options)
         info["engine_pipelines"] = engine.num_pipelines
+    info["engine_dtypes"] = {name: str(e.model.dtype).replace("torch.", "") for name, e in
+                             (("xrec", engine), ("xrec-fp32", float32_engine)) if e is not None}
     # The contenders' long-lived objects (HF's trie above all) are not garbage: keep the
     # collector from rescanning one contender's heap inside another's timed run
     # (docs/decisions.md, Benchmarks).
     gc.collect()
     gc.freeze()
-    return Contenders(by_name, engine, model.config.vocab_size, info)
+    return Contenders(by_name, engine, model.config.vocab_size, info, float32_engine)
 
 
 def _hf_model(model, model_dir: Path, device: str):
