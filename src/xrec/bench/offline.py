@@ -81,14 +81,11 @@ def _add_paired_ratios(rows: dict[str, dict]) -> None:
     """Medians of the ratios of runs side by side (interleaved: run i of each ran back to
     back): xrec-filter's batch time over xrec's, and xrec-fp32's over xrec's (what the
     engine's dtype buys)."""
-    for other, key in (("xrec-filter", "vs_unfiltered"), ("xrec-fp32", "speedup_vs_float32")):
+    for other, key, row in (("xrec-filter", "vs_unfiltered", "xrec-filter"),
+                            ("xrec-fp32", "speedup_vs_float32", "xrec")):
         if other in rows and "xrec" in rows:
             pairs = zip(rows[other]["wall_ms"], rows["xrec"]["wall_ms"])
-            ratio = statistics.median(o / x for o, x in pairs)
-            if key == "vs_unfiltered":
-                rows[other][key] = ratio
-            else:
-                rows["xrec"][key] = ratio
+            rows[row][key] = statistics.median(o / x for o, x in pairs)
 
 
 def markdown(record: dict) -> str:
