@@ -47,18 +47,18 @@ def load_contenders(names: list[str], model_dir: Path, device: str, threads: int
         raise ValueError(f"contenders: unknown {unknown}, allowed: {', '.join(CONTENDERS)}")
     if threads:
         torch.set_num_threads(threads)
+    def open_engine(**overrides):
+        options = {"device": device, "num_threads": threads, **(engine_options or {}),
+                   **overrides}
+        return Engine.from_pretrained(model_dir, isolation="thread",
+                                      **{k: v for k, v in options.items() if v is not None})
+
     engine = model = None
     if {"xrec", "xrec-full", "xrec-filter"} & set(names):
-        options = {"device": device, "num_threads": threads, **(engine_options or {})}
-        engine = Engine.from_pretrained(model_dir, isolation="thread",
-                                        **{k: v for k, v in options.items() if v is not None})
+        engine = open_engine()
         model = engine.model
-    float32_engine = None
-    if "xrec-fp32" in names:
-        options = {"device": device, "num_threads": threads, **(engine_options or {}),
-                   "dtype": "float32"}
-        float32_engine = Engine.from_pretrained(model_dir, isolation="thread", **{
-            k: v for k, v in options.items() if v is not None})
+    # xrec-fp32's engine: float32 whatever the options or "auto" give xrec's
+    float32_engine = open_engine(dtype="float32") if "xrec-fp32" in names else None
     if model is None or model.dtype != torch.float32:
         model = load_model(model_dir, device, torch.float32)
     if "naive" in names and not model.config.is_encoder_decoder:
