@@ -303,6 +303,15 @@ def test_cli_sid_build(tmp_path, monkeypatch, capsys):
     assert (report["embeddings"], report["dim"], report["collisions"]) == ("svd", 8, "share")
 
 
+def test_cli_defaults_are_the_library_defaults():
+    # the command keeps its own copies (its --help does not import numpy); they must agree
+    parser = argparse.ArgumentParser(prog="xrec")
+    add_sid_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["sid", "build", "--data", "toy"])
+    assert args.codebook_size == sid_build.DEFAULT_CODEBOOK_SIZE
+    assert args.collisions == sid_build.COLLISION_RULES[0]
+
+
 @pytest.mark.slow
 def test_text_embeddings_real_model():
     """MiniLM's real weights: `make test` installs them (the Makefile's test setup), so this

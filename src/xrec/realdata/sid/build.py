@@ -34,7 +34,7 @@ __all__ = ["COLLISION_RULES", "DEFAULT_CODEBOOK_SIZE", "SID_BASE_TOKENS", "SidRe
            "build_sid_dir", "build_sids", "sid_layout", "write_sid_dir"]
 
 COLLISION_RULES = ("reassign", "share")
-DEFAULT_CODEBOOK_SIZE = 64
+DEFAULT_CODEBOOK_SIZE = 128  # docs/decisions.md, "Codebook size"
 SID_BASE_TOKENS = 256  # the smallest legal regular vocabulary: the trained models use this one
 CATALOG_FILE, TEXT_CATALOG_FILE = "items.bin", "items.txt"
 

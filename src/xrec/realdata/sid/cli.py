@@ -17,7 +17,7 @@ from pathlib import Path
 __all__ = ["add_sid_parser", "build_sid_dir", "run_sid_build"]
 
 # keep in step with xrec.realdata.sid.build (not imported here: --help stays light)
-_DEFAULT_CODEBOOK_SIZE = 64
+_DEFAULT_CODEBOOK_SIZE = 128
 _COLLISION_RULES = ("reassign", "share")
 
 
