@@ -204,11 +204,11 @@ def test_agreement_by_hand():
         agreement(fp32, bf16[:1], metrics, metrics, k=4)
 
 
-@pytest.mark.parametrize("options", [{}, {"ema": 0.9}])
+@pytest.mark.parametrize("options", [{}, {"ema": 0.9}, {"lookahead": 0.5}])
 def test_killed_run_resumes_where_it_stopped(split, sid_dir, tmp_path, options):
     """A run killed (SIGKILL) after its first epoch, started again with the same options,
     ends with the weights of an uninterrupted run (with `ema`: the average and the trained
-    weights both resume)."""
+    weights both resume; with `lookahead`: the training-only heads too)."""
     straight = _train(split, sid_dir, tmp_path / "straight", "qwen3", epochs=3, **options)
     out = tmp_path / "killed"
     script = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
@@ -292,6 +292,24 @@ def test_ema_writes_the_average_of_the_trained_weights(split, sid_dir, tmp_path)
     for name in plain:
         torch.testing.assert_close(tiny[name], plain[name], rtol=0, atol=1e-6, msg=name)
     assert any(not torch.allclose(average[n], plain[n]) for n in plain)
+
+
+def test_lookahead_heads_change_training_but_not_the_written_model(split, sid_dir, tmp_path):
+    """The look-ahead heads train the model (other weights than a plain run's) and are left
+    out of what it writes: the same tensors, the same parameter count, a model that serves."""
+    from safetensors.torch import load_file
+    plain = _train(split, sid_dir, tmp_path / "plain", "qwen3", epochs=2)
+    ahead = _train(split, sid_dir, tmp_path / "ahead", "qwen3", epochs=2, lookahead=0.5)
+    a, b = (load_file(str(d / "model.safetensors")) for d in (plain, ahead))
+    assert a.keys() == b.keys() and all(a[n].shape == b[n].shape for n in a)
+    assert any(not torch.allclose(a[n], b[n]) for n in a)
+    reports = [json.loads((d / "train_report.json").read_text()) for d in (plain, ahead)]
+    assert reports[0]["parameters"] == reports[1]["parameters"]
+    ranker = GenerativeRanker.open(ahead, split.data.num_items)
+    try:
+        assert ranker.rank(split, "test", 10, 16).shape == (split.data.num_users, 10)
+    finally:
+        ranker.close()
 
 
 def test_bad_inputs_have_clear_errors(split, sid_dir, tmp_path):

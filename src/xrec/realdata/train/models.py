@@ -23,6 +23,7 @@ from xrec.model.loader import save_model
 from xrec.config.qwen import QwenConfig
 from xrec.realdata.train.options import FAMILIES
 from xrec.realdata.sequences import IGNORE, collate
+from xrec.realdata.train.lookahead import LookaheadHeads
 from xrec.realdata.train.repeats import seen_unlikelihood
 
 __all__ = ["TrainableModel", "model_config", "seq2seq_inputs"]
@@ -60,16 +61,21 @@ class TrainableModel:
     hf: Any
     seen_unlikelihood: float = 0.0   # weight of `repeats.seen_unlikelihood`
     label_smoothing: float = 0.0     # of the cross-entropy, over the whole vocabulary
+    lookahead: float = 0.0           # weight of the `LookaheadHeads` loss
+    heads: LookaheadHeads | None = None
+    _hidden: torch.Tensor | None = None   # the last forward's final states, for `heads`
 
     @classmethod
     def create(cls, config: ModelConfig | QwenConfig, seed: int, dropout: float = 0.0,
-               seen_unlikelihood: float = 0.0, label_smoothing: float = 0.0) -> TrainableModel:
+               seen_unlikelihood: float = 0.0, label_smoothing: float = 0.0,
+               lookahead: float = 0.0) -> TrainableModel:
         """A freshly initialised model; `dropout`: on the embeddings and on each attention and
         feed-forward output before its residual add (T5's own `dropout_rate`, which also drops
         attention weights; hooks on Qwen3, which has none). Training only: the written
         directory has no dropout to turn off. `seen_unlikelihood`: the weight of the term that
         pushes down items the window already holds (`repeats.py`); `label_smoothing`: of the
-        cross-entropy, as `F.cross_entropy` takes it."""
+        cross-entropy, as `F.cross_entropy` takes it; `lookahead`: the weight of the
+        training-only look-ahead heads (`lookahead.py`, decoder-only)."""
         torch.manual_seed(seed)
         if config.is_encoder_decoder:
             from transformers import T5ForConditionalGeneration
@@ -84,7 +90,27 @@ class TrainableModel:
             hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields))
             if dropout:
                 _residual_dropout(hf, dropout)
-        return cls(config, hf.float().train(), seen_unlikelihood, label_smoothing)
+        model = cls(config, hf.float().train(), seen_unlikelihood, label_smoothing)
+        if lookahead:
+            if config.is_encoder_decoder:
+                raise ValueError("lookahead: the look-ahead heads train the decoder-only family")
+            model.lookahead, model.heads = lookahead, LookaheadHeads(config.hidden_size)
+            hf.model.register_forward_hook(
+                lambda module, args, out: setattr(model, "_hidden", out.last_hidden_state))
+        return model
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """Everything the optimizer steps: the model's and the training-only heads'."""
+        heads = [] if self.heads is None else list(self.heads.parameters())
+        return list(self.hf.parameters()) + heads
+
+    def training_state(self) -> dict[str, torch.Tensor]:
+        """The training-only weights (the look-ahead heads), which `state` leaves out."""
+        return {} if self.heads is None else dict(self.heads.state_dict())
+
+    def load_training_state(self, state: dict[str, torch.Tensor]) -> None:
+        if self.heads is not None:
+            self.heads.load_state_dict(state)
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Weights saved by `save` (xrec's names; tied copies restored)."""
@@ -121,6 +147,10 @@ class TrainableModel:
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                    labels.reshape(-1), ignore_index=IGNORE,
                                    label_smoothing=self.label_smoothing)
+        if self.heads is not None:    # labels are shifted by one: position t holds t + 1's
+            unshifted = F.pad(labels, (1, 0), value=IGNORE)
+            loss = loss + self.lookahead * self.heads.loss(self._hidden, unshifted,
+                                                           self.hf.lm_head)
         if not self.seen_unlikelihood:
             return loss, targets
         second, third, tokens, real, first = self.item_logits(out.logits, batch)

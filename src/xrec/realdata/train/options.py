@@ -32,6 +32,7 @@ class TrainOptions:
     dropout: float = 0.0           # on embeddings and residual branches, training only
     seen_unlikelihood: float = 0.0  # weight of the seen-item unlikelihood (train/repeats.py)
     label_smoothing: float = 0.0   # of the cross-entropy, over the whole vocabulary
+    lookahead: float = 0.0         # weight of the look-ahead heads' loss (train/lookahead.py)
     shifted_windows: bool = False  # each epoch, windows before a user's last shift at random
     ema: float = 0.0               # decay of the weights' moving average (0: none)
     valid_users: int = 1000        # validation HR@10 on this many users (0: all)
@@ -62,6 +63,11 @@ class TrainOptions:
                              f"expected 0 <= label_smoothing < 1")
         if self.seen_unlikelihood < 0:
             raise ValueError(f"seen_unlikelihood: got {self.seen_unlikelihood}, expected >= 0")
+        if self.lookahead < 0:
+            raise ValueError(f"lookahead: got {self.lookahead}, expected >= 0")
+        if self.lookahead and self.family != "qwen3":
+            raise ValueError(f"lookahead: the look-ahead heads train the decoder-only family "
+                             f"(qwen3), not {self.family}")
         if not self.lr > 0:
             raise ValueError(f"lr: got {self.lr}, expected > 0")
         if self.hidden % self.heads:

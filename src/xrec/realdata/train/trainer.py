@@ -4,8 +4,8 @@ through the serving engine after each epoch, early stopping, resumable checkpoin
 in training, all `epochs`, no validation (the last epoch is the model).
 
 Files: the run works in `OUT.partial/` (`last/`: the latest epoch, a servable model directory,
-holding the weights' moving average with `ema`; `optimizer.safetensors`: its optimizer state
-and, with `ema`, the trained weights; `best/`: the best epoch so far; `state.json`: where the run
+holding the weights' moving average with `ema`; `optimizer.safetensors`: its optimizer state,
+the training-only look-ahead heads and, with `ema`, the trained weights; `best/`: the best epoch so far; `state.json`: where the run
 stands, written last). A killed run started again with the same options continues after its
 last finished epoch. When training ends, `best/` becomes `OUT` (renamed whole: `OUT` never
 exists half-written) and `OUT.partial/` is deleted.
@@ -32,6 +32,8 @@ from xrec.realdata.train.options import TrainOptions
 from xrec.realdata.sequences import SidVocabulary, causal_windows, seq2seq_windows
 
 __all__ = ["TrainOptions", "train"]
+
+_HEADS = "heads."   # the training-only weights' keys in optimizer.safetensors
 
 
 def train(split: Split, sid_dir: str | Path, out_dir: str | Path, options: TrainOptions,
@@ -66,8 +68,9 @@ class _Run:
         self.split, self.vocab, self.config, self.options = split, vocab, config, options
         self.work, self.log, self.threads = work, log, threads
         self.model = TrainableModel.create(config, options.seed, options.dropout,
-                                            options.seen_unlikelihood, options.label_smoothing)
-        params = list(self.model.hf.parameters())
+                                            options.seen_unlikelihood, options.label_smoothing,
+                                            options.lookahead)
+        params = self.model.parameters()
         decay = [p for p in params if p.dim() >= 2]
         rest = [p for p in params if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
@@ -121,6 +124,8 @@ class _Run:
             with torch.no_grad():
                 for i, p in enumerate(self.params):
                     p.copy_(optimizer[f"{i}.trained"])
+        self.model.load_training_state({k.removeprefix(_HEADS): v for k, v in optimizer.items()
+                                        if k.startswith(_HEADS)})
         for i, p in enumerate(self.params):
             if f"{i}.exp_avg" in optimizer:
                 self.optimizer.state[p] = {k: optimizer[f"{i}.{k}"]
@@ -145,7 +150,8 @@ class _Run:
         from xrec.realdata.ranking import PROMPT_FILE
         (last / PROMPT_FILE).write_text(json.dumps(
             {"max_items": self.options.max_items, "format": "bos + 3 tokens per item"}) + "\n")
-        optimizer = {}
+        optimizer = {_HEADS + k: v.detach().clone()
+                     for k, v in self.model.training_state().items()}
         for i, p in enumerate(self.params):
             for k, v in self.optimizer.state.get(p, {}).items():
                 optimizer[f"{i}.{k}"] = v.detach().clone()
@@ -236,4 +242,4 @@ class _Run:
                 "sid_dir": str(self.vocab.directory), "dataset": self.split.data.name,
                 "epochs_run": self.epoch, "best": self.best, "history": self.history,
                 "train_minutes": round(self.elapsed / 60, 2),
-                "parameters": sum(p.numel() for p in self.params)}
+                "parameters": sum(p.numel() for p in self.model.hf.parameters())}
