@@ -163,12 +163,13 @@ def test_export_to_hf_t5_refuses_a_causal_encoder(model, tmp_path):
 
 
 def test_family_defaults():
-    """epochs, batch size and learning rate left unset take the family's; the decoder-only
-    defaults are those ML-1M was measured with."""
+    """epochs, batch size, learning rate and look-ahead left unset take the family's; the
+    decoder-only defaults are those ML-1M was measured with."""
     from xrec.realdata.train.options import TrainOptions
     qwen3, onerec = TrainOptions(), TrainOptions(family="onerec")
-    assert (qwen3.epochs, qwen3.batch_size, qwen3.lr) == (12, 32, 3e-3)
-    assert (onerec.epochs, onerec.batch_size, onerec.lr) == (5, 8, 1e-3)
+    assert (qwen3.epochs, qwen3.batch_size, qwen3.lr, qwen3.lookahead) == (12, 32, 3e-3, 0.5)
+    assert (onerec.epochs, onerec.batch_size, onerec.lr, onerec.lookahead) == (5, 8, 1e-3, 0.0)
+    onerec.check()
     assert TrainOptions(family="onerec", lr=2e-3, epochs=3).lr == 2e-3
     with pytest.raises(ValueError, match="family: got 't5'"):
         TrainOptions(family="t5").check()

@@ -168,8 +168,9 @@ def _train_rate(setting: dict, adaptive: bool) -> float:
     o = TrainOptions()
     vocab = 3 * 256 + 8        # three 256-code levels and a few special tokens
     model = TrainableModel.create(model_config(o.family, vocab, o.hidden, o.layers, o.heads,
-                                               3 * o.max_items + 8, 1), o.seed)
-    optimizer = torch.optim.AdamW(model.hf.parameters(), lr=o.lr)
+                                               3 * o.max_items + 8, 1), o.seed,
+                                  lookahead=o.lookahead)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr)
     rng = np.random.default_rng(setting["seed"])
     batch = [rng.integers(2, vocab, 3 * o.max_items + 1) for _ in range(o.batch_size)]
     with training_threads(setting["threads"], adaptive) as cores:
