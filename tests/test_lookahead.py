@@ -9,14 +9,15 @@ import pytest
 import torch
 
 from xrec.realdata.train.models import TrainableModel, model_config
+from xrec.realdata.sequences import IGNORE
 from xrec.realdata.train.options import TrainOptions
 
 VOCAB = 12
 WINDOWS = [[(1, 2, 3), (1, 4, 5), (1, 2, 6), (7, 2, 3)], [(1, 4, 5), (1, 4, 6)]]
 
 
-def _model(lookahead: float) -> TrainableModel:
-    config = model_config("qwen3", VOCAB, hidden=16, layers=1, heads=2, max_positions=32,
+def _model(lookahead: float, family: str = "qwen3") -> TrainableModel:
+    config = model_config(family, VOCAB, hidden=16, layers=1, heads=2, max_positions=32,
                           bos_id=0)
     return TrainableModel.create(config, seed=0, lookahead=lookahead)
 
@@ -41,8 +42,31 @@ def test_heads_start_as_the_next_token_head_shifted_to_their_offsets():
     assert float(got) == pytest.approx(expected, rel=1e-4)
 
 
-def test_heads_are_trained_but_not_part_of_the_model():
-    model = _model(1.0)
+def test_encoder_decoder_heads_predict_inside_each_target_block():
+    """The encoder-decoder's decoder reads [start, c1, c2] per target item: at
+    initialisation head 2 scores c2 from the start position and c3 from c1's, head 3 c3
+    from the start, each with the logits T5 itself gives there (scaled as its tied head
+    scales them), and no head reaches into the next target's block."""
+    batch = [np.array([0, *[t for item in w for t in item]]) for w in WINDOWS]
+    plain, ahead = _model(0.0, "onerec"), _model(0.5, "onerec")
+    with torch.no_grad():
+        out, labels = plain.forward(batch)
+        got, targets = ahead.loss(batch)
+    log_p = out.logits.double().log_softmax(-1)
+    expected = float(out.loss)
+    for d in (2, 3):
+        picked = [log_p[r, t, int(labels[r, t + d - 1])]
+                  for r in range(len(batch)) for t in range(labels.shape[1] - d + 1)
+                  if t % 3 + d <= 3 and labels[r, t + d - 1] != IGNORE]
+        assert len(picked) == (2 if d == 2 else 1) * (len(WINDOWS[0]) - 1 + len(WINDOWS[1]) - 1)
+        expected += 0.5 * -float(torch.stack(picked).mean())
+    assert targets == 3 * (len(WINDOWS[0]) - 1 + len(WINDOWS[1]) - 1)
+    assert float(got) == pytest.approx(expected, rel=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "onerec"])
+def test_heads_are_trained_but_not_part_of_the_model(family):
+    model = _model(1.0, family)
     own = {id(p) for p in model.hf.parameters()}
     extra = [p for p in model.parameters() if id(p) not in own]
     assert extra and set(model.training_state()) and not set(model.training_state()) & set(model.state())
@@ -54,9 +78,4 @@ def test_heads_are_trained_but_not_part_of_the_model():
 def test_bad_options_are_clear_errors():
     with pytest.raises(ValueError, match="lookahead: got -1"):
         TrainOptions(lookahead=-1.0).check()
-    with pytest.raises(ValueError, match="decoder-only"):
-        TrainOptions(family="onerec", lookahead=0.5).check()
-    config = model_config("onerec", VOCAB, hidden=16, layers=1, heads=2, max_positions=32,
-                      bos_id=0)
-    with pytest.raises(ValueError, match="decoder-only"):
-        TrainableModel.create(config, seed=0, lookahead=0.5)
+    TrainOptions(family="onerec", lookahead=0.5).check()

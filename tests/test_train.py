@@ -294,12 +294,14 @@ def test_ema_writes_the_average_of_the_trained_weights(split, sid_dir, tmp_path)
     assert any(not torch.allclose(average[n], plain[n]) for n in plain)
 
 
-def test_lookahead_heads_change_training_but_not_the_written_model(split, sid_dir, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3", "onerec"])
+def test_lookahead_heads_change_training_but_not_the_written_model(split, sid_dir, tmp_path,
+                                                                   family):
     """The look-ahead heads train the model (other weights than a plain run's) and are left
     out of what it writes: the same tensors, the same parameter count, a model that serves."""
     from safetensors.torch import load_file
-    plain = _train(split, sid_dir, tmp_path / "plain", "qwen3", epochs=2, lookahead=0.0)
-    ahead = _train(split, sid_dir, tmp_path / "ahead", "qwen3", epochs=2, lookahead=0.5)
+    plain = _train(split, sid_dir, tmp_path / "plain", family, epochs=2, lookahead=0.0)
+    ahead = _train(split, sid_dir, tmp_path / "ahead", family, epochs=2, lookahead=0.5)
     a, b = (load_file(str(d / "model.safetensors")) for d in (plain, ahead))
     assert a.keys() == b.keys() and all(a[n].shape == b[n].shape for n in a)
     assert any(not torch.allclose(a[n], b[n]) for n in a)

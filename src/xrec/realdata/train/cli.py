@@ -27,8 +27,7 @@ _HELP = {
                          "already holds (0: cross-entropy alone)",
     "label_smoothing": "label smoothing of the cross-entropy (0: none)",
     "lookahead": "weight of two training-only heads that predict, at every position, the "
-                 "tokens two and three ahead (the rest of the next item's ID; qwen3 only; "
-                 "0: none)",
+                 "tokens two and three ahead (the rest of the next item's ID; 0: none)",
     "shifted_windows": "each epoch, end every window but a user's last a random number of "
                        "items earlier (each item meets contexts of every length)",
     "ema": "decay of an exponential moving average of the weights, which validation reads "

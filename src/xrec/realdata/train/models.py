@@ -75,7 +75,7 @@ class TrainableModel:
         directory has no dropout to turn off. `seen_unlikelihood`: the weight of the term that
         pushes down items the window already holds (`repeats.py`); `label_smoothing`: of the
         cross-entropy, as `F.cross_entropy` takes it; `lookahead`: the weight of the
-        training-only look-ahead heads (`lookahead.py`, decoder-only)."""
+        training-only look-ahead heads (`lookahead.py`)."""
         torch.manual_seed(seed)
         if config.is_encoder_decoder:
             from transformers import T5ForConditionalGeneration
@@ -92,10 +92,10 @@ class TrainableModel:
                 _residual_dropout(hf, dropout)
         model = cls(config, hf.float().train(), seen_unlikelihood, label_smoothing)
         if lookahead:
-            if config.is_encoder_decoder:
-                raise ValueError("lookahead: the look-ahead heads train the decoder-only family")
-            model.lookahead, model.heads = lookahead, LookaheadHeads(config.hidden_size)
-            hf.model.register_forward_hook(
+            model.lookahead = lookahead
+            model.heads = LookaheadHeads(hf.config.hidden_size)
+            decoder = hf.decoder if config.is_encoder_decoder else hf.model
+            decoder.register_forward_hook(
                 lambda module, args, out: setattr(model, "_hidden", out.last_hidden_state))
         return model
 
@@ -147,15 +147,24 @@ class TrainableModel:
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                    labels.reshape(-1), ignore_index=IGNORE,
                                    label_smoothing=self.label_smoothing)
-        if self.heads is not None:    # labels are shifted by one: position t holds t + 1's
-            unshifted = F.pad(labels, (1, 0), value=IGNORE)
-            loss = loss + self.lookahead * self.heads.loss(self._hidden, unshifted,
-                                                           self.hf.lm_head)
+        if self.heads is not None:    # labels[:, t]: the token after position t
+            if self.config.is_encoder_decoder:   # one block [start, c1, c2] per target
+                term = self.heads.loss(self._hidden, labels, self._output, block=3)
+            else:                                # a causal window's last position has none
+                term = self.heads.loss(self._hidden[:, :-1], labels, self._output)
+            loss = loss + self.lookahead * term
         if not self.seen_unlikelihood:
             return loss, targets
         second, third, tokens, real, first = self.item_logits(out.logits, batch)
         term = seen_unlikelihood(second, third, tokens, real, targets, first)
         return loss + self.seen_unlikelihood * term, targets
+
+    def _output(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's logits of final decoder states (T5 with tied embeddings scales them
+        by d_model^-0.5 before its head, as `T5ForConditionalGeneration.forward` does)."""
+        if getattr(self.hf.config, "scale_decoder_outputs", False):
+            hidden = hidden * self.hf.model_dim ** -0.5
+        return self.hf.lm_head(hidden)
 
     def item_logits(self, logits: torch.Tensor, batch: list[np.ndarray]) -> tuple:
         """A batch's logits per window item, as `seen_unlikelihood` reads them: (second
