@@ -168,7 +168,7 @@ def test_family_defaults():
     from xrec.realdata.train.options import TrainOptions
     qwen3, onerec = TrainOptions(), TrainOptions(family="onerec")
     assert (qwen3.epochs, qwen3.batch_size, qwen3.lr, qwen3.lookahead) == (12, 32, 3e-3, 0.5)
-    assert (onerec.epochs, onerec.batch_size, onerec.lr, onerec.lookahead) == (5, 8, 1e-3, 0.0)
+    assert (onerec.epochs, onerec.batch_size, onerec.lr, onerec.lookahead) == (5, 8, 5e-4, 0.0)
     onerec.check()
     assert TrainOptions(family="onerec", lr=2e-3, epochs=3).lr == 2e-3
     with pytest.raises(ValueError, match="family: got 't5'"):
