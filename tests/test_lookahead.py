@@ -22,24 +22,34 @@ def _model(lookahead: float, family: str = "qwen3") -> TrainableModel:
     return TrainableModel.create(config, seed=0, lookahead=lookahead)
 
 
+def _with_heads_at_init(family: str, picked_of) -> tuple[float, float, int]:
+    """(the loss with heads of weight 0.5 at initialisation, the loss expected from the plain
+    model's own logits, the target count): `picked_of(batch, log_p, labels, d)` lists the
+    log-probabilities head d must score."""
+    batch = [np.array([0, *[t for item in w for t in item]]) for w in WINDOWS]
+    plain, ahead = _model(0.0, family), _model(0.5, family)
+    with torch.no_grad():
+        out, labels = plain.forward(batch)
+        got, targets = ahead.loss(batch)
+    log_p = out.logits.double().log_softmax(-1)
+    expected = float(out.loss)
+    for d in (2, 3):
+        expected += 0.5 * -float(torch.stack(picked_of(batch, log_p, labels, d)).mean())
+    return float(got), expected, targets
+
+
 def test_heads_start_as_the_next_token_head_shifted_to_their_offsets():
     """At initialisation each head's projection is zero, so head d scores token t + d with
     the logits the model itself gives at position t: the loss is Hugging Face's loss plus
     the weight times, for d = 2 and 3, the mean of -log p_t(token t + d) over a row's real
     positions that have a token d ahead."""
-    batch = [np.array([0, *[t for item in w for t in item]]) for w in WINDOWS]
-    plain, ahead = _model(0.0), _model(0.5)
-    with torch.no_grad():
-        out, _ = plain.forward(batch)
-        got, targets = ahead.loss(batch)
-    log_p = out.logits.double().log_softmax(-1)
-    expected = float(out.loss)
-    for d in (2, 3):
-        picked = [log_p[r, t, int(row[t + d])] for r, row in enumerate(batch)
-                  for t in range(len(row) - d)]
-        expected += 0.5 * -float(torch.stack(picked).mean())
-    assert targets == sum(len(row) - 1 for row in batch)
-    assert float(got) == pytest.approx(expected, rel=1e-4)
+    def picked(batch, log_p, labels, d):
+        return [log_p[r, t, int(row[t + d])] for r, row in enumerate(batch)
+                for t in range(len(row) - d)]
+
+    got, expected, targets = _with_heads_at_init("qwen3", picked)
+    assert targets == sum(3 * len(w) for w in WINDOWS)
+    assert got == pytest.approx(expected, rel=1e-4)
 
 
 def test_encoder_decoder_heads_predict_inside_each_target_block():
@@ -47,21 +57,18 @@ def test_encoder_decoder_heads_predict_inside_each_target_block():
     initialisation head 2 scores c2 from the start position and c3 from c1's, head 3 c3
     from the start, each with the logits T5 itself gives there (scaled as its tied head
     scales them), and no head reaches into the next target's block."""
-    batch = [np.array([0, *[t for item in w for t in item]]) for w in WINDOWS]
-    plain, ahead = _model(0.0, "onerec"), _model(0.5, "onerec")
-    with torch.no_grad():
-        out, labels = plain.forward(batch)
-        got, targets = ahead.loss(batch)
-    log_p = out.logits.double().log_softmax(-1)
-    expected = float(out.loss)
-    for d in (2, 3):
-        picked = [log_p[r, t, int(labels[r, t + d - 1])]
-                  for r in range(len(batch)) for t in range(labels.shape[1] - d + 1)
-                  if t % 3 + d <= 3 and labels[r, t + d - 1] != IGNORE]
-        assert len(picked) == (2 if d == 2 else 1) * (len(WINDOWS[0]) - 1 + len(WINDOWS[1]) - 1)
-        expected += 0.5 * -float(torch.stack(picked).mean())
-    assert targets == 3 * (len(WINDOWS[0]) - 1 + len(WINDOWS[1]) - 1)
-    assert float(got) == pytest.approx(expected, rel=1e-4)
+    num_targets = sum(len(w) - 1 for w in WINDOWS)
+
+    def picked(batch, log_p, labels, d):
+        found = [log_p[r, t, int(labels[r, t + d - 1])]
+                 for r in range(len(batch)) for t in range(labels.shape[1] - d + 1)
+                 if t % 3 + d <= 3 and labels[r, t + d - 1] != IGNORE]
+        assert len(found) == (2 if d == 2 else 1) * num_targets
+        return found
+
+    got, expected, targets = _with_heads_at_init("onerec", picked)
+    assert targets == 3 * num_targets
+    assert got == pytest.approx(expected, rel=1e-4)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "onerec"])
