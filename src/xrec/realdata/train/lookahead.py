@@ -10,8 +10,8 @@ zero, so each head starts as the next-token head (up to the norm's scale) and le
 offset. The decoder-only family's positions run on through the window, from one item into
 the next; the encoder-decoder's decoder reads one block [start, c1, c2] per target item, so
 there a head predicts only inside its block (start: c2 and c3; c1: c3). The
-heads are training-only parameters: the written model, and so serving, is the plain causal
-LM (`TrainableModel.state` leaves them out); a resumed run restores them from the optimizer
+heads are training-only parameters: the written model, and so serving, is the plain
+model (`TrainableModel.state` leaves them out); a resumed run restores them from the optimizer
 file. The term is the mean cross-entropy of each head over the positions that have a token
 d ahead, weighted per head.
 """
