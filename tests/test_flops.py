@@ -1,7 +1,8 @@
 """The roofline's FLOP count (xrec.bench.lib.flops) against counts it did not make.
 
 torch's FlopCounterMode counts the GEMMs a call really runs (linear layers, matmuls;
-not CPU scaled_dot_product_attention): over xrec's encoder, cross K/V, decoder prefix,
+not CPU scaled_dot_product_attention; oneDNN's linear, which xrec's CPU float32 products
+take where it is faster (xrec.model.gemm), once told its formula below): over xrec's encoder, cross K/V, decoder prefix,
 decode round and prompt, that is exactly the projection and FFN terms of the formula
 (dense, GQA, MoE, both families). Hugging Face T5's eager encoder also counts its
 attention matmuls: the encoder's attention term.
@@ -13,16 +14,33 @@ import dataclasses
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
 
 from xrec.bench.lib.flops import SearchShape, search_flops, search_terms
 from xrec.config import MODEL_SIZES
+from xrec.model.gemm import cpu_fp32_gemm
 from xrec.model.inputs import ModelInputs
 from xrec.model.registry import model_class
 
 LENGTH, WIDTH, BATCH = 12, 5, 2
+
+
+@register_flop_formula(torch.ops.mkldnn._linear_pointwise)
+def onednn_linear_flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    """`x [..., K] @ w [N, K].T`: 2 x rows x K x N, as torch counts `aten.mm`."""
+    rows = 1
+    for size in x_shape[:-1]:
+        rows *= size
+    return 2 * rows * x_shape[-1] * w_shape[0]
 ONEREC = MODEL_SIZES["tiny"].replace(use_absolute_position_embedding=True)  # no per-head bias:
 QWEN = dataclasses.replace(MODEL_SIZES["qwen3-sid-test"], torch_dtype="float32")  # flash paths
+
+
+@pytest.fixture(autouse=True)
+def gemm_library_chosen():
+    """The first float32 product of a process measures both libraries (xrec.model.gemm):
+    done here, not inside a count."""
+    cpu_fp32_gemm()
 
 
 def counted(fn) -> int:

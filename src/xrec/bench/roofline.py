@@ -36,7 +36,7 @@ from xrec.bench.lib.common import (environment, environment_markdown, markdown_t
                                output_paths, pyplot, write_outputs)
 from xrec.bench.lib.flops import COMPONENTS, SearchShape, fan_out, search_flops
 from xrec.bench.lib.models import make_workload, model_dir
-from xrec.bench.lib.peak import Gemm, default_dtypes, peaks_in_fresh_process, reference_shape
+from xrec.bench.lib.peak import Gemm, default_dtypes, peaks_in_fresh_process, reference_gemm
 from xrec.utils.fresh_thread import in_fresh_thread
 
 HOST = "host"
@@ -144,13 +144,14 @@ def measure_workload(engine, size: str, width: int, length: int, num_requests: i
     from xrec import RecRequest
     from xrec.api_types import validate
     from xrec.search.batch import prepare_batch
+    from xrec.model.gemm import cpu_fp32_gemm
     from xrec.search.workspace_buffers import Workspace
 
     config = engine.model.config
     workload = make_workload(config.vocab_size, num_requests, length, width, args.seed)
     requests = [RecRequest(token_ids=row, beam_width=width) for row in workload.token_ids.tolist()]
     batch = prepare_batch([validate(r, engine.limits) for r in requests], config.d_model)
-    reference = Gemm(reference_shape(peak), args.device, engine.dtype)
+    reference = reference_gemm(peak, args.device, engine.dtype)
     workspace = Workspace(engine.model.device)   # reused buffers, as a pipeline runs its steps
     timing = interleaved(lambda: engine.step.run(batch, workspace), reference, args, bar)
     profile = in_fresh_thread(lambda: profile_step(engine.step, batch, COMPONENT_OF, workspace))
@@ -160,6 +161,8 @@ def measure_workload(engine, size: str, width: int, length: int, num_requests: i
     key = (size, width, length, num_requests, engine.dtype)
     return {"size": size, **workload.key, "dtype": engine.dtype,
             "target": TARGET_FRACTIONS.get(key), "reference_shape": list(reference.shape),
+            "reference_library": reference.library,
+            "cpu_gemm": cpu_fp32_gemm() if args.device == "cpu" else None,
             "flops": search_flops(config, shape), "timing": timing, "profile": profile}
 
 
@@ -213,7 +216,11 @@ def summarize(measured: dict, before: dict, after: dict) -> dict:
                       "time_share": ms / wall_ms, "gflop_per_s": None if rate is None else rate / 1e9,
                       "fraction_of_peak": None if rate is None else rate / peak}
     keep = {k: v for k, v in measured.items() if k not in ("flops", "timing", "profile")}
-    return {**keep, "gflop": total / 1e9, "step_ms": step_s * 1e3,
+    by_library = {name: max(before.get("by_library", {}).get(name, 0.0),
+                            after.get("by_library", {}).get(name, 0.0))
+                  for name in before.get("by_library", {})}
+    return {**keep, "peak_by_library_gflop_per_s": {k: v / 1e9 for k, v in by_library.items()},
+            "fraction_by_library": {k: total / step_s / v for k, v in by_library.items() if v}, "gflop": total / 1e9, "step_ms": step_s * 1e3,
             "gflop_per_s": total / step_s / 1e9, "peak_gflop_per_s": peak / 1e9,
             "peak_before_gflop_per_s": before["flops_per_s"] / 1e9,
             "peak_after_gflop_per_s": after["flops_per_s"] / 1e9,
@@ -245,17 +252,20 @@ def markdown(record: dict) -> str:
     threads = next(iter(before.values()))["threads"]
     peaks = "; ".join(
         f"{dtype}{'' if p['native'] else ' (emulated)'} {p['flops_per_s'] / 1e9:,.0f} before, "
-        f"{after[dtype]['flops_per_s'] / 1e9:,.0f} after ({'x'.join(map(str, p['shape']))})"
+        f"{after[dtype]['flops_per_s'] / 1e9:,.0f} after ({'x'.join(map(str, p['shape']))}"
+        f"{', ' + p['library'] if 'library' in p else ''}"
+        f"{_libraries(p, after[dtype])})"
         for dtype, p in before.items())
     lines = [f"## xrec bench roofline (fresh-process GEMM peaks in GFLOP/s at {threads} "
              f"threads: {peaks})\n"]
     header = ["workload", "dtype", "GFLOP", "step ms (median)", "GFLOP/s", "× float32",
-              "peak GFLOP/s", "**fraction of peak**", "target", "reference GFLOP/s (interleaved)",
-              "fraction of the reference"]
+              "peak GFLOP/s", "**fraction of peak**", "target", "fraction of ATen's product's peak",
+              "reference GFLOP/s (interleaved)", "fraction of the reference", "CPU float32 products"]
     rows = [[_name(w), w["dtype"], w["gflop"], w["step_ms"], w["gflop_per_s"],
              None if w["speedup_vs_float32"] is None else f"{w['speedup_vs_float32']:.2f}",
              w["peak_gflop_per_s"], f"**{w['fraction_of_peak']:.2f}**", _target(w),
-             w["reference_gflop_per_s"], f"{w['fraction_of_reference']:.2f}"]
+             _fraction(w.get("fraction_by_library", {}).get("aten")),
+             w["reference_gflop_per_s"], f"{w['fraction_of_reference']:.2f}", w.get("cpu_gemm")]
             for w in record["workloads"]]
     lines.append(markdown_table(header, rows))
     for w in record["workloads"]:
@@ -270,14 +280,29 @@ def markdown(record: dict) -> str:
     lines.append("\nFLOPs: the work a faithful search must do (src/xrec/bench/lib/flops.py). "
                  "Fraction of peak (the targets' measure) = FLOPs / median step time / the "
                  "peak GFLOP/s: the best product of the row's dtype over shapes 1024³ to 4096³ "
-                 "in a fresh process, the higher of the measurements before and after the "
-                 "runs. × float32 = the float32 row's step time / this row's. Fraction of the "
+                 "in a fresh process, through ATen's product (`torch.mm`) or, on a CPU, "
+                 "oneDNN's linear, whichever is faster, the higher of the measurements before "
+                 "and after the runs; the fraction of ATen's product's peak reads the same "
+                 "step against `torch.mm` alone (MKL on a CPU). × float32 = the float32 row's step time / this row's. Fraction of the "
                  "reference = the median over runs of FLOPs / step time / the FLOP/s of a "
                  "reference product timed in fresh threads around that step (both sides at "
                  "one moment; a fresh thread's product reads low, so this reads high). "
                  "Component times come from one profiled step (the profiler adds a few µs "
                  "per op); their fractions are against the peak.")
     return "\n".join(lines) + "\n\n" + environment_markdown(record["environment"])
+
+
+def _libraries(before: dict, after: dict) -> str:
+    """'; aten 185, onednn 402': each library's best product, before and after together."""
+    names = before.get("by_library", {})
+    if len(names) < 2:
+        return ""
+    return "; " + ", ".join(f"{name} {max(names[name], after['by_library'][name]) / 1e9:,.0f}"
+                            for name in names)
+
+
+def _fraction(value: float | None) -> str | None:
+    return None if value is None else f"{value:.2f}"
 
 
 def _target(w: dict) -> str | None:

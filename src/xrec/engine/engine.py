@@ -33,6 +33,7 @@ from xrec.engine.responses import ResponseData
 from xrec.engine.scheduler import FixedStepsScheduler
 from xrec.errors import InvalidArgument, Unavailable, XrecError
 from xrec.model.dtype import dtype_name, emulation_warning, resolve_dtype
+from xrec.model.gemm import cpu_fp32_gemm
 from xrec.model.family import RecModel
 from xrec.model.loader import load_model
 from xrec.model.random_init import random_model
@@ -87,6 +88,9 @@ class Engine(EngineFrontend):
             logger.warning(warning)
         if device.type == "cpu" and options.retain_host_memory:
             retain_freed_memory()
+        if device.type == "cpu" and model.dtype == torch.float32:
+            # at load, not in the first request: the library of float32 products is measured
+            logger.info("float32 products on this CPU: %s", cpu_fp32_gemm())
         self.uses_graphs = _uses_graphs(options, model)
         # fixed for the engine's life: a catalog loaded later constrains iff this one did
         self.is_constrained = catalog is not None if options.constrained is None else options.constrained

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xrec.model.gemm import cpu_fp32_gemm, onednn_linear
+
 
 # Up to this many rows, a float32 product on a CPU is taken weight-first (see `linear`).
 WEIGHT_FIRST_MAX_ROWS = 128  # pragma: no mutate
@@ -17,16 +19,21 @@ WEIGHT_FIRST_MAX_ROWS = 128  # pragma: no mutate
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x [..., K] @ weight[N, K].T (+ bias)` -> `[..., N]`, as `F.linear`.
 
-    On a CPU, float32 products with 2 to `WEIGHT_FIRST_MAX_ROWS` rows are taken as
+    A float32 product on a CPU goes to the library `gemm.cpu_fp32_gemm` chose for this
+    machine (oneDNN where it beats MKL, e.g. AVX-512 AMD CPUs; with a gradient where one
+    is needed, for training). With MKL, products of 2 to `WEIGHT_FIRST_MAX_ROWS` rows are taken as
     `weight @ x.T`, then transposed back: with few rows MKL's sgemm packs the whole weight
     each call, and weight-first reads it faster (docs/decisions.md, Roofline). Rows of this
     size are the decoder prefix and the round-0 head of a batch (one row per request),
     the decoder rounds of one request of up to 128 beams, and a mixture's experts.
     """
+    if x.device.type != "cpu" or x.dtype != torch.float32:  # pragma: no mutate
+        return F.linear(x, weight, bias)
+    if cpu_fp32_gemm() == "onednn":
+        return onednn_linear(x, weight, bias)
     rows = x.numel() // x.shape[-1]
     # which path is a matter of speed only: both give x @ W.T (+ b)
-    is_few_rows = 2 <= rows <= WEIGHT_FIRST_MAX_ROWS  # pragma: no mutate
-    if x.device.type != "cpu" or x.dtype != torch.float32 or not is_few_rows:  # pragma: no mutate
+    if not 2 <= rows <= WEIGHT_FIRST_MAX_ROWS:  # pragma: no mutate
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1]).T                               # [K, rows]
     out = torch.mm(weight, flat) if bias is None else torch.addmm(bias.unsqueeze(1), weight, flat)

@@ -34,6 +34,9 @@ def environment(device: str = "cpu") -> dict[str, Any]:
     }
     if device.startswith("cuda") and torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    if device == "cpu":
+        from xrec.model.gemm import cpu_fp32_gemm
+        env["cpu_fp32_gemm"] = cpu_fp32_gemm()   # the library of xrec's float32 products
     return env
 
 
@@ -218,7 +221,9 @@ def environment_markdown(env: dict[str, Any]) -> str:
     sha = env["git_sha"][:12] + (" (dirty)" if env.get("git_dirty") else "")
     return (f"{env['cpu']}, {env['cores']} cores, torch {env['torch']} "
             f"({env['torch_threads']} threads), transformers {env.get('transformers')}, "
-            f"python {env['python']}, device {env['device']}, git {sha}, {env['date']}, "
+            f"python {env['python']}, device {env['device']}"
+            f"{', float32 products ' + env['cpu_fp32_gemm'] if env.get('cpu_fp32_gemm') else ''}"
+            f", git {sha}, {env['date']}, "
             f"load average {env.get('load_avg_1m')} at start, {env.get('load_avg_1m_end')} at end")
 
 

@@ -6,7 +6,11 @@ For each dtype the peak is the best FLOP/s of any product over a few large shape
 1024³ to 4096³, and the tall-skinny shapes of a batch of positions through a projection),
 with the same intra-op thread count as the run it is compared with: a product never runs
 faster than the machine can, so the best timing is the honest ceiling, and a slow one
-says only that a neighbour took the cores for a moment. Each shape gets two warm-up
+says only that a neighbour took the cores for a moment. On a CPU each shape is timed
+through both libraries PyTorch carries, ATen's product (MKL for float32) and oneDNN's
+linear, and the peak is the best of either: xrec's float32 products take oneDNN where it
+is faster (`xrec.model.gemm`; MKL runs AVX2 kernels on AMD CPUs with AVX-512), and a
+ceiling one library does not reach would flatter the other. Each shape gets two warm-up
 products, then up to `repeats` timed ones within `budget_s` (at least three), so the
 whole measurement takes seconds (two cores: ~8 s for float32, less for bfloat16).
 
@@ -34,18 +38,39 @@ QUICK_SHAPES = ((1024, 1024, 1024),)
 REFERENCE_MAX_FLOPS = 2.0 * 4096 * 1024 * 4096
 
 
-class Gemm:
-    """One `[m, k] @ [k, n]` product on `device` in `dtype_name`, timed (synchronised)."""
+# the libraries a product is timed through: ATen's `torch.mm` everywhere, oneDNN's linear
+# on a CPU
+LIBRARIES = ("aten", "onednn")
 
-    def __init__(self, shape: tuple[int, int, int], device: str, dtype_name: str):
+
+def libraries(device: str) -> tuple[str, ...]:
+    import torch
+
+    return LIBRARIES if device == "cpu" and torch.backends.mkldnn.is_available() else ("aten",)
+
+
+class Gemm:
+    """One `[m, k] @ [k, n]` product on `device` in `dtype_name` through `library`, timed
+    (synchronised)."""
+
+    def __init__(self, shape: tuple[int, int, int], device: str, dtype_name: str,
+                 library: str = "aten"):
         import torch
+
+        from xrec.model.gemm import onednn_linear
 
         m, k, n = shape
         dtype = getattr(torch, dtype_name)
         self.shape, self.device, self.flops = shape, device, 2.0 * m * k * n
+        self.library = library
         self.a = torch.randn(m, k, device=device).to(dtype)
         self.b = torch.randn(k, n, device=device).to(dtype)
         self.out = torch.empty(m, n, device=device, dtype=dtype)
+        if library == "onednn":
+            weight = self.b.T.contiguous()                              # [n, k]
+            self._product = lambda: onednn_linear(self.a, weight)
+        else:
+            self._product = lambda: torch.mm(self.a, self.b, out=self.out)
 
     def seconds(self) -> float:
         import torch
@@ -54,7 +79,7 @@ class Gemm:
         if is_cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        torch.mm(self.a, self.b, out=self.out)
+        self._product()
         if is_cuda:
             torch.cuda.synchronize()
         return time.perf_counter() - start
@@ -62,29 +87,44 @@ class Gemm:
 
 def measure(device: str, dtype_name: str, threads: int | None, repeats: int = 7,
             shapes: tuple[tuple[int, int, int], ...] = SHAPES, budget_s: float = 1.5) -> dict:
-    """For each of `shapes` in `dtype_name` on `device`, in this process: two warm-up
-    products, then `repeats` timed ones (fewer once `budget_s` is spent, never under
-    three); the best and the median FLOP/s per shape. The peak is the best of all."""
+    """For each of `shapes` in `dtype_name` on `device`, through each library, in this
+    process: two warm-up products, then `repeats` timed ones (fewer once `budget_s` is
+    spent, never under three); the best and the median FLOP/s per shape (the better
+    library's) and per library. The peak is the best of all."""
     import torch
 
     from xrec.model.dtype import native_bf16
 
     if threads:
         torch.set_num_threads(threads)
-    best, median = {}, {}
+    best: dict[str, float] = {}
+    median: dict[str, float] = {}
+    by_library: dict[str, float] = {}
+    best_library: dict[str, str] = {}
     for shape in shapes:
-        gemm = Gemm(shape, device, dtype_name)
-        gemm.seconds(), gemm.seconds()
-        times: list[float] = []
-        started = time.perf_counter()
-        while len(times) < repeats and (len(times) < 3 or time.perf_counter() - started < budget_s):
-            times.append(gemm.seconds())
         key = "x".join(map(str, shape))
-        best[key], median[key] = gemm.flops / min(times), gemm.flops / statistics.median(times)
+        for library in libraries(device):
+            gemm = Gemm(shape, device, dtype_name, library)
+            gemm.seconds(), gemm.seconds()
+            times: list[float] = []
+            started = time.perf_counter()
+            while len(times) < repeats and (len(times) < 3 or time.perf_counter() - started < budget_s):
+                times.append(gemm.seconds())
+            rate = gemm.flops / min(times)
+            by_library[library] = max(by_library.get(library, 0.0), rate)
+            if rate > best.get(key, 0.0):
+                best[key], best_library[key] = rate, library
+                median[key] = gemm.flops / statistics.median(times)
     top = max(best, key=best.get)
-    return {"flops_per_s": best[top], "shape": _shape(top), "by_shape": best,
-            "median_by_shape": median, "threads": torch.get_num_threads(),
+    return {"flops_per_s": best[top], "shape": _shape(top), "library": best_library[top],
+            "by_shape": best, "median_by_shape": median, "by_library": by_library,
+            "threads": torch.get_num_threads(),
             "native": dtype_name != "bfloat16" or native_bf16(device)}
+
+
+def reference_gemm(peak: dict, device: str, dtype_name: str) -> Gemm:
+    """The interleaved reference: `reference_shape`'s product through the peak's library."""
+    return Gemm(reference_shape(peak), device, dtype_name, peak.get("library", "aten"))
 
 
 def reference_shape(peak: dict) -> tuple[int, int, int]:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from xrec.config import ModelConfig
+from xrec.model.layers import Linear
 from xrec.model.loader import save_model
 from xrec.config.qwen import QwenConfig
 from xrec.realdata.train.options import FAMILIES
@@ -97,6 +98,9 @@ class TrainableModel:
             decoder = hf.decoder if config.is_encoder_decoder else hf.model
             decoder.register_forward_hook(
                 lambda module, args, out: setattr(model, "_hidden", out.last_hidden_state))
+        for module in (hf, model.heads):
+            if module is not None:
+                _linears_as_xrec(module)
         return model
 
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -200,6 +204,16 @@ def _item_tokens(windows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]
     ids, mask = collate([w[1:] for w in windows])                       # [B, 3L]
     return (torch.as_tensor(ids).view(len(windows), -1, 3),
             torch.as_tensor(mask[:, ::3] == 1))
+
+
+def _linears_as_xrec(module: torch.nn.Module) -> None:
+    """Every `nn.Linear` of `module` computes through xrec's `layers.linear` (the same
+    parameters and names, a subclass without state): the float32 products, forward and
+    backward, go to the library `xrec.model.gemm` chose for this CPU, which on AVX-512 AMD
+    CPUs is oneDNN at about twice MKL's rate (docs/decisions.md)."""
+    for linear in module.modules():
+        if type(linear) is torch.nn.Linear:
+            linear.__class__ = Linear
 
 
 def _residual_dropout(hf, p: float) -> None:
