@@ -421,8 +421,20 @@ def test_reversed_square_bias_is_a_view_of_the_pairwise_bias():
             assert square.untyped_storage().nbytes() == heads * (2 * length - 1) * 4
 
 
+@pytest.fixture(params=["mkl", "onednn"])
+def gemm_library(request, monkeypatch):
+    """Both libraries of float32 CPU products (xrec.model.gemm), whichever this machine chose."""
+    from xrec.model import gemm
+
+    if request.param == "onednn" and not torch.backends.mkldnn.is_available():
+        pytest.skip("this PyTorch build has no oneDNN")
+    monkeypatch.setattr(gemm, "_chosen", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("block_rows,block_vocab", [(1, 64), (3, 7), (128, 64), (4, 100)])
-def test_logits_logsumexp_in_blocks_equals_the_materialised_one(block_rows, block_vocab):
+def test_logits_logsumexp_in_blocks_equals_the_materialised_one(block_rows, block_vocab,
+                                                                 gemm_library):
     from xrec.model.onerec import OneRecModel
 
     torch.manual_seed(0)
@@ -438,7 +450,7 @@ def test_logits_logsumexp_in_blocks_equals_the_materialised_one(block_rows, bloc
                    torch.logsumexp(model.logits(hidden), dim=-1), what="without")
 
 
-def test_logits_logsumexp_survives_a_later_block_far_above_the_first():
+def test_logits_logsumexp_survives_a_later_block_far_above_the_first(gemm_library):
     """The CPU path shifts every block by the first block's max: a logit 2^127 times
     larger in a later block overflows that shift and must be taken again with its own."""
     from xrec.model.onerec import OneRecModel

@@ -26,6 +26,7 @@ from torch import nn
 from xrec.config import FamilyConfig
 from xrec.model.inputs import ModelInputs
 from xrec.model.kv import Allocate, BeamKV
+from xrec.model.gemm import cpu_fp32_gemm, onednn_linear
 from xrec.model.layers import linear
 
 _LOG2_E, _LN_2 = 1.0 / math.log(2.0), math.log(2.0)
@@ -143,6 +144,10 @@ class RecModel(nn.Module):
         for start in range(0, num_rows, block_rows):  # blocks of rows and of the vocabulary:
             stop = min(start + block_rows, num_rows)  # a few dozen per round, never per beam
             rows = scaled[start:stop].T                                   # [D, rows]
+            # float32 on a CPU whose products oneDNN computes faster: `weight[block] @ rows`
+            # as a linear of the hidden rows (a fresh [v, rows] per block, no `out=`)
+            onednn_rows = scaled[start:stop] if is_host and hidden.dtype == torch.float32 \
+                and cpu_fp32_gemm() == "onednn" else None
             scales = None if row_scale is None else row_scale[start:stop]
             base = None
             if is_relative:   # the first block's max products, in the model's dtype
@@ -153,13 +158,14 @@ class RecModel(nn.Module):
             for index, first in enumerate(range(0, vocab, block_vocab)):
                 last = min(first + block_vocab, vocab)
                 out = buffer[:(last - first) * (stop - start)].view(last - first, stop - start)
-                logits = _head_block(weight[first:last], rows, out, scales, base)  # base 2
+                logits = _head_block(weight[first:last], rows, out, scales, base,  # base 2
+                                     onednn_rows)
                 if index == 0 or not is_host:
                     shift = logits.amax(dim=0)                                 # [rows]
                 part = parts[index, start:stop]
                 _log2_sum_exp2(logits, shift, part)
                 if is_host and bool(part.isinf().any()):  # rare: this block again, own max
-                    logits = _head_block(weight[first:last], rows, out, scales, base)
+                    logits = _head_block(weight[first:last], rows, out, scales, base, onednn_rows)
                     _log2_sum_exp2(logits, logits.amax(dim=0), part)
                 if base is not None:
                     part.add_(base.float() * scales)
@@ -200,11 +206,16 @@ class RecModel(nn.Module):
 
 
 def _head_block(weight: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
-                scales: torch.Tensor | None, base: torch.Tensor | None = None) -> torch.Tensor:
+                scales: torch.Tensor | None, base: torch.Tensor | None = None,
+                onednn_rows: torch.Tensor | None = None) -> torch.Tensor:
     """`weight [v, D] @ rows [D, n]` into `out`, float32, times `scales [n]` if given;
-    with `base [n]`, minus `base` (subtracted inside the product, rounded once)."""
-    products = torch.mm(weight, rows, out=out) if base is None else \
-        torch.addmm(base.neg(), weight, rows, out=out)
+    with `base [n]`, minus `base` (subtracted inside the product, rounded once);
+    `onednn_rows` (`rows.T`, contiguous): the product is oneDNN's, in a new tensor."""
+    if onednn_rows is not None:
+        products = onednn_linear(weight, onednn_rows)
+    else:
+        products = torch.mm(weight, rows, out=out) if base is None else \
+            torch.addmm(base.neg(), weight, rows, out=out)
     logits = products.float()
     return logits if scales is None else logits.mul_(scales)
 
