@@ -31,12 +31,13 @@ def test_onednn_linear_is_f_linear(shape, has_bias):
 
 
 @pytest.mark.parametrize("has_bias", [False, True])
-def test_onednn_linear_gradients_are_f_linears(has_bias):
+@pytest.mark.parametrize("outputs", [12, 40])   # fewer and more outputs than inputs
+def test_onednn_linear_gradients_are_f_linears(has_bias, outputs):
     torch.manual_seed(1)
     x = torch.randn(4, 9, 16, requires_grad=True)
-    weight = torch.randn(12, 16, requires_grad=True)
-    bias = torch.randn(12, requires_grad=True) if has_bias else None
-    grad = torch.randn(4, 9, 12)
+    weight = torch.randn(outputs, 16, requires_grad=True)
+    bias = torch.randn(outputs, requires_grad=True) if has_bias else None
+    grad = torch.randn(4, 9, outputs)
     inputs = (x, weight) + ((bias,) if has_bias else ())
     ours = torch.autograd.grad(onednn_linear(x, weight, bias), inputs, grad)
     theirs = torch.autograd.grad(F.linear(x, weight, bias), inputs, grad)
