@@ -143,8 +143,8 @@ def measure_workload(engine, size: str, width: int, length: int, num_requests: i
     the engine's dtype's peak before the runs) and one profiled step; no ratios yet."""
     from xrec import RecRequest
     from xrec.api_types import validate
-    from xrec.search.batch import prepare_batch
     from xrec.model.gemm import cpu_fp32_gemm
+    from xrec.search.batch import prepare_batch
     from xrec.search.workspace_buffers import Workspace
 
     config = engine.model.config
@@ -220,7 +220,8 @@ def summarize(measured: dict, before: dict, after: dict) -> dict:
                             after.get("by_library", {}).get(name, 0.0))
                   for name in before.get("by_library", {})}
     return {**keep, "peak_by_library_gflop_per_s": {k: v / 1e9 for k, v in by_library.items()},
-            "fraction_by_library": {k: total / step_s / v for k, v in by_library.items() if v}, "gflop": total / 1e9, "step_ms": step_s * 1e3,
+            "fraction_by_library": {k: total / step_s / v for k, v in by_library.items() if v},
+            "gflop": total / 1e9, "step_ms": step_s * 1e3,
             "gflop_per_s": total / step_s / 1e9, "peak_gflop_per_s": peak / 1e9,
             "peak_before_gflop_per_s": before["flops_per_s"] / 1e9,
             "peak_after_gflop_per_s": after["flops_per_s"] / 1e9,
@@ -283,7 +284,8 @@ def markdown(record: dict) -> str:
                  "in a fresh process, through ATen's product (`torch.mm`) or, on a CPU, "
                  "oneDNN's linear, whichever is faster, the higher of the measurements before "
                  "and after the runs; the fraction of ATen's product's peak reads the same "
-                 "step against `torch.mm` alone (MKL on a CPU). × float32 = the float32 row's step time / this row's. Fraction of the "
+                 "step against `torch.mm` alone (MKL on a CPU). × float32 = the float32 "
+                 "row's step time / this row's. Fraction of the "
                  "reference = the median over runs of FLOPs / step time / the FLOP/s of a "
                  "reference product timed in fresh threads around that step (both sides at "
                  "one moment; a fresh thread's product reads low, so this reads high). "

@@ -25,8 +25,8 @@ from torch import nn
 
 from xrec.config import FamilyConfig
 from xrec.model.inputs import ModelInputs
-from xrec.model.kv import Allocate, BeamKV
 from xrec.model.gemm import cpu_fp32_gemm, onednn_linear
+from xrec.model.kv import Allocate, BeamKV
 from xrec.model.layers import linear
 
 _LOG2_E, _LN_2 = 1.0 / math.log(2.0), math.log(2.0)
