@@ -116,6 +116,25 @@ def test_residual_kmeans_levels_add_up(svd_embeddings):
     np.testing.assert_array_equal(quantized.codes, again.codes)
 
 
+def test_balanced_kmeans_caps_every_cluster_and_still_adds_up():
+    # a skewed cloud: 60 points near one spot, 12 spread out; plain k-means gives the
+    # crowd few clusters, the balanced variant at most ceil(72 / 8) = 9 points each
+    rng = np.random.default_rng(0)
+    points = np.concatenate([rng.normal(0, 0.05, (60, 4)), rng.normal(0, 3.0, (12, 4))])
+    plain = residual_kmeans(points, levels=2, codebook_size=8, seed=0)
+    balanced = residual_kmeans(points, levels=2, codebook_size=8, seed=0, balanced=True)
+    assert np.bincount(plain.codes[:, 0], minlength=8).max() > 9
+    for level in range(2):
+        assert np.bincount(balanced.codes[:, level], minlength=8).max() <= 9
+    # each centroid is its points' mean, and the levels still reconstruct the input
+    for code in range(8):
+        members = points[balanced.codes[:, 0] == code]
+        np.testing.assert_allclose(balanced.centroids[0][code], members.mean(0), atol=1e-5)
+    rebuilt = sum(c[balanced.codes[:, level]] for level, c in enumerate(balanced.centroids))
+    last = balanced.residuals[1] - balanced.centroids[1][balanced.codes[:, 1]]
+    np.testing.assert_allclose(rebuilt + last, points, atol=1e-5)
+
+
 def test_fewer_distinct_points_than_codebook():
     points = np.repeat(np.eye(3, dtype=np.float32), [5, 1, 1], axis=0)  # 7 rows, 3 distinct
     share = build_sids(points, codebook_size=8, collisions="share")
@@ -301,6 +320,11 @@ def test_cli_sid_build(tmp_path, monkeypatch, capsys):
     assert args.run(args) == 0
     report = json.loads((out / "sid_report.json").read_text())
     assert (report["embeddings"], report["dim"], report["collisions"]) == ("svd", 8, "share")
+    assert report["balanced"] is False
+    args = parser.parse_args([*argv, "--force", "--embeddings", "svd", "--balanced"])
+    assert args.run(args) == 0
+    report = json.loads((out / "sid_report.json").read_text())
+    assert report["balanced"] is True and report["max_items_per_id"] == 1
 
 
 def test_cli_defaults_are_the_library_defaults():

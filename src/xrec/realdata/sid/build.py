@@ -112,11 +112,12 @@ def _reassign_last_level(codes: np.ndarray, residual: np.ndarray, centroids: np.
 
 
 def build_sids(embeddings: np.ndarray, codebook_size: int = DEFAULT_CODEBOOK_SIZE,
-               collisions: str = "reassign", seed: int = 0) -> SidResult:
-    """3-level semantic IDs of `embeddings` [num_items, d] (row i: item index i)."""
+               collisions: str = "reassign", seed: int = 0, balanced: bool = False) -> SidResult:
+    """3-level semantic IDs of `embeddings` [num_items, d] (row i: item index i);
+    `balanced`: balanced residual k-means (`kmeans.py`)."""
     if collisions not in COLLISION_RULES:
         raise ValueError(f"collisions: got {collisions!r}, allowed: {', '.join(COLLISION_RULES)}")
-    quantized = residual_kmeans(embeddings, NUM_LEVELS, codebook_size, seed)
+    quantized = residual_kmeans(embeddings, NUM_LEVELS, codebook_size, seed, balanced)
     raw = quantized.codes  # [n, 3]
     codes = raw
     if collisions == "reassign":
@@ -190,13 +191,14 @@ def write_sid_dir(out_dir: str | os.PathLike, data: Interactions, result: SidRes
 def build_sid_dir(split: Split, out_dir: str | os.PathLike, *, embeddings: str = "sasrec",
                   dim: int = 64, codebook_size: int = DEFAULT_CODEBOOK_SIZE,
                   collisions: str = "reassign", seed: int = 0, replace: bool = False,
-                  progress: bool = False, sasrec_cache: str | os.PathLike | None = None) -> dict:
+                  progress: bool = False, sasrec_cache: str | os.PathLike | None = None,
+                  balanced: bool = False) -> dict:
     """Embeddings → IDs → `write_sid_dir`, for `split` (SASRec and SVD use its training part).
     `embeddings`: "sasrec" (the item table of a SASRec trained on the training part; the
     default, docs/decisions.md "Semantic IDs from SASRec's item table"), "svd", "text" (item
     titles, all-MiniLM-L6-v2) or a `.npy` path. `progress`: SASRec's epochs on stderr;
-    `sasrec_cache`: where the SASRec is kept for `xrec eval`, or found (`sasrec_cache.py`).
-    Returns the report written to sid_report.json."""
+    `sasrec_cache`: where the SASRec is kept for `xrec eval`, or found (`sasrec_cache.py`);
+    `balanced`: balanced residual k-means. Returns the report written to sid_report.json."""
     from xrec.realdata.sid import embeddings as embed
 
     data = split.data
@@ -221,9 +223,10 @@ def build_sid_dir(split: Split, out_dir: str | os.PathLike, *, embeddings: str =
         source = {"embeddings": "file", "dim": int(vectors.shape[1]),
                   "embeddings_file": str(Path(embeddings).resolve())}
     embedded = time.perf_counter()
-    result = build_sids(vectors, codebook_size=codebook_size, collisions=collisions, seed=seed)
+    result = build_sids(vectors, codebook_size=codebook_size, collisions=collisions, seed=seed,
+                        balanced=balanced)
     quantized = time.perf_counter()
-    info = {"dataset": data.name, **source,
+    info = {"dataset": data.name, **source, "balanced": balanced,
             "embedding_s": round(embedded - started, 3), "kmeans_s": round(quantized - embedded, 3)}
     write_sid_dir(out_dir, data, result, replace=replace, info=info)
     report = json.loads((Path(out_dir) / "sid_report.json").read_text(encoding="utf-8"))

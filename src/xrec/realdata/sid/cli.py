@@ -52,6 +52,9 @@ def add_sid_parser(subparsers) -> argparse.ArgumentParser:
                        help="reassign: unique IDs, the third code decided by an optimal "
                             "assignment inside each (c1, c2) group (default); share: raw "
                             "k-means codes, items may share an ID")
+    build.add_argument("--balanced", action="store_true",
+                       help="balanced residual k-means: at most ceil(items / K) items per "
+                            "code at each level (an option; docs/decisions.md)")
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--force", action="store_true", help="replace an existing --out")
     build.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -84,6 +87,7 @@ def run_sid_build(args: argparse.Namespace) -> int:
     report = build_sid_dir(split, out, embeddings=args.embeddings, dim=args.dim,
                            codebook_size=args.codebook_size, collisions=args.collisions,
                            seed=args.seed, replace=args.force, progress=True,
+                           balanced=args.balanced,
                            sasrec_cache=run_dir(args.data) / "sasrec")
     print(f"{report['num_items']} items -> {report['num_ids']} IDs "
           f"(codebook {report['codebook_size']} x 3, collisions={report['collisions']}, "
