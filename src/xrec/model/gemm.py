@@ -3,8 +3,9 @@
 PyTorch sends float32 products on a CPU to MKL's sgemm. MKL takes its AVX-512 kernels
 only on Intel CPUs; on an AMD CPU with AVX-512 (Zen 4, Zen 5) it runs its AVX2 ones, at
 about half the machine's rate, while oneDNN (also in every PyTorch build) takes AVX-512
-there. On Intel CPUs MKL is as fast or faster (docs/decisions.md, "float32 products
-through oneDNN"). So the library is chosen by measurement, once per process: the same
+there (2.2–2.5x on a Zen 5). On the machine of 2026-12-01 oneDNN was 0.75–1.0x MKL
+(docs/decisions.md, "float32 products through oneDNN"). So the library is chosen by
+measurement, once per process: the same
 products through both, interleaved; oneDNN only where it is at least `MIN_SPEEDUP` times
 faster. The environment variable `XREC_CPU_GEMM` (`auto`, `mkl` or `onednn`) overrides
 the measurement.
