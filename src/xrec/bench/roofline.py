@@ -216,9 +216,8 @@ def summarize(measured: dict, before: dict, after: dict) -> dict:
                       "time_share": ms / wall_ms, "gflop_per_s": None if rate is None else rate / 1e9,
                       "fraction_of_peak": None if rate is None else rate / peak}
     keep = {k: v for k, v in measured.items() if k not in ("flops", "timing", "profile")}
-    by_library = {name: max(before.get("by_library", {}).get(name, 0.0),
-                            after.get("by_library", {}).get(name, 0.0))
-                  for name in before.get("by_library", {})}
+    by_library = {name: max(rate, after["by_library"][name])
+                  for name, rate in before["by_library"].items()}
     return {**keep, "peak_by_library_gflop_per_s": {k: v / 1e9 for k, v in by_library.items()},
             "fraction_by_library": {k: total / step_s / v for k, v in by_library.items() if v},
             "gflop": total / 1e9, "step_ms": step_s * 1e3,
@@ -254,7 +253,7 @@ def markdown(record: dict) -> str:
     peaks = "; ".join(
         f"{dtype}{'' if p['native'] else ' (emulated)'} {p['flops_per_s'] / 1e9:,.0f} before, "
         f"{after[dtype]['flops_per_s'] / 1e9:,.0f} after ({'x'.join(map(str, p['shape']))}"
-        f"{', ' + p['library'] if 'library' in p else ''}"
+        f", {p['library']}"
         f"{_libraries(p, after[dtype])})"
         for dtype, p in before.items())
     lines = [f"## xrec bench roofline (fresh-process GEMM peaks in GFLOP/s at {threads} "
@@ -265,7 +264,7 @@ def markdown(record: dict) -> str:
     rows = [[_name(w), w["dtype"], w["gflop"], w["step_ms"], w["gflop_per_s"],
              None if w["speedup_vs_float32"] is None else f"{w['speedup_vs_float32']:.2f}",
              w["peak_gflop_per_s"], f"**{w['fraction_of_peak']:.2f}**", _target(w),
-             _fraction(w.get("fraction_by_library", {}).get("aten")),
+             _fraction(w["fraction_by_library"].get("aten")),
              w["reference_gflop_per_s"], f"{w['fraction_of_reference']:.2f}", w.get("cpu_gemm")]
             for w in record["workloads"]]
     lines.append(markdown_table(header, rows))
@@ -296,7 +295,7 @@ def markdown(record: dict) -> str:
 
 def _libraries(before: dict, after: dict) -> str:
     """'; aten 185, onednn 402': each library's best product, before and after together."""
-    names = before.get("by_library", {})
+    names = before["by_library"]
     if len(names) < 2:
         return ""
     return "; " + ", ".join(f"{name} {max(names[name], after['by_library'][name]) / 1e9:,.0f}"

@@ -134,20 +134,21 @@ class RecModel(nn.Module):
             block_rows, block_vocab = num_rows, max(block_vocab, 32768)
         block_rows, block_vocab = min(block_rows, num_rows), min(block_vocab, vocab)
         num_blocks = -(-vocab // block_vocab)
-        buffer = torch.empty(block_vocab * block_rows, dtype=hidden.dtype, device=hidden.device)
+        is_relative = is_host and hidden.dtype != torch.float32
+        # float32 on a CPU whose products oneDNN computes faster: `weight[block] @ rows` as a
+        # linear of the hidden rows, a fresh [v, rows] per block (oneDNN takes no `out=`)
+        is_onednn = is_host and not is_relative and cpu_fp32_gemm() == "onednn"
+        buffer = torch.empty(0 if is_onednn else block_vocab * block_rows, dtype=hidden.dtype,
+                             device=hidden.device)
         parts = torch.empty((num_blocks, num_rows), dtype=torch.float32, device=hidden.device)
         factor = scale * _LOG2_E
-        is_relative = is_host and hidden.dtype != torch.float32
         # float32: the factor goes into the hidden rows (no pass over a block); a bfloat16
         # model keeps its hidden rows exact and scales the float32 products instead
         scaled = hidden if is_relative else hidden * factor
         for start in range(0, num_rows, block_rows):  # blocks of rows and of the vocabulary:
             stop = min(start + block_rows, num_rows)  # a few dozen per round, never per beam
             rows = scaled[start:stop].T                                   # [D, rows]
-            # float32 on a CPU whose products oneDNN computes faster: `weight[block] @ rows`
-            # as a linear of the hidden rows (a fresh [v, rows] per block, no `out=`)
-            onednn_rows = scaled[start:stop] if is_host and hidden.dtype == torch.float32 \
-                and cpu_fp32_gemm() == "onednn" else None
+            onednn_rows = scaled[start:stop] if is_onednn else None       # [rows, D]
             scales = None if row_scale is None else row_scale[start:stop]
             base = None
             if is_relative:   # the first block's max products, in the model's dtype
@@ -157,7 +158,8 @@ class RecModel(nn.Module):
                 base = torch.mm(weight[:block_vocab], rows, out=out).amax(dim=0)   # [rows]
             for index, first in enumerate(range(0, vocab, block_vocab)):
                 last = min(first + block_vocab, vocab)
-                out = buffer[:(last - first) * (stop - start)].view(last - first, stop - start)
+                out = None if is_onednn else \
+                    buffer[:(last - first) * (stop - start)].view(last - first, stop - start)
                 logits = _head_block(weight[first:last], rows, out, scales, base,  # base 2
                                      onednn_rows)
                 if index == 0 or not is_host:
@@ -205,12 +207,13 @@ class RecModel(nn.Module):
         return out
 
 
-def _head_block(weight: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
+def _head_block(weight: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None,
                 scales: torch.Tensor | None, base: torch.Tensor | None = None,
                 onednn_rows: torch.Tensor | None = None) -> torch.Tensor:
     """`weight [v, D] @ rows [D, n]` into `out`, float32, times `scales [n]` if given;
     with `base [n]`, minus `base` (subtracted inside the product, rounded once);
-    `onednn_rows` (`rows.T`, contiguous): the product is oneDNN's, in a new tensor."""
+    `onednn_rows` (`rows.T`, contiguous; `out` None): the product is oneDNN's, in a new
+    tensor."""
     if onednn_rows is not None:
         products = onednn_linear(weight, onednn_rows)
     else:

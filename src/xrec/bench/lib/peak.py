@@ -124,7 +124,7 @@ def measure(device: str, dtype_name: str, threads: int | None, repeats: int = 7,
 
 def reference_gemm(peak: dict, device: str, dtype_name: str) -> Gemm:
     """The interleaved reference: `reference_shape`'s product through the peak's library."""
-    return Gemm(reference_shape(peak), device, dtype_name, peak.get("library", "aten"))
+    return Gemm(reference_shape(peak), device, dtype_name, peak["library"])
 
 
 def reference_shape(peak: dict) -> tuple[int, int, int]:
