@@ -42,6 +42,7 @@ from xrec.search.graphs import CudaGraphs, DecodeGraphs
 from xrec.search.step import RecStep
 from xrec.search.workspace import WorkspaceModel
 from xrec.tokenizer import PromptTokenizer
+from xrec.utils.fresh_thread import in_fresh_thread
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +150,8 @@ class Engine(EngineFrontend):
             return ProcessEngine.start(model_dir, catalog, engine_options)
         if isolation != "thread":
             raise ValueError(f"isolation: got {isolation!r}, allowed: thread, process")
-        return cls(*load_parts(model_dir, catalog, EngineOptions.from_kwargs(**engine_options)))
+        options = EngineOptions.from_kwargs(**engine_options)
+        return in_fresh_thread(lambda: cls(*load_parts(model_dir, catalog, options)))
 
     @classmethod
     def from_random(cls, size: str, seed: int = 0, num_items: int = 100_000,
@@ -160,8 +162,8 @@ class Engine(EngineFrontend):
         On a CPU the model and catalog equal those `xrec make-model` writes with `seed`
         (in the size's dtype); on an accelerator the weights are drawn there
         (`model.random_init.random_model`). No tokenizer: requests give token ids."""
-        return cls(*random_parts(size, seed, num_items, EngineOptions.from_kwargs(**engine_options),
-                                 sizes))
+        options = EngineOptions.from_kwargs(**engine_options)
+        return in_fresh_thread(lambda: cls(*random_parts(size, seed, num_items, options, sizes)))
 
     # ---- requests ----------------------------------------------------------
 
@@ -256,7 +258,7 @@ class Engine(EngineFrontend):
                                       f"catalog {source or loaded}: "
                                       f"{str(exc).removeprefix('catalog: ')}") from None
 
-        version = self._catalogs.replace(build).version
+        version = self._catalogs.replace(lambda: in_fresh_thread(build)).version
         logger.info("catalog loaded: %s", version)
         return version
 
