@@ -9,11 +9,11 @@ and bfloat16 where the device computes it natively):
    before and after the runs; the **higher** of the two is the denominator (a neighbour
    can only slow a product, never speed it up, so the higher is nearer the machine);
 3. xrec's step time (median, not profiled) -> achieved FLOP/s and **fraction of peak**, the
-   measure the targets are read against. Each timed step is also bracketed by products of
-   a reference shape in fresh threads (as the step), and the run-by-run ratio to that
-   reference is reported beside it (docs/decisions.md, Roofline): it says how the step
-   compares with a product at the same moment, but a fresh thread's product reads low,
-   so it is never the targets' denominator;
+   measure the targets are read against. The steps run on one thread, as a pipeline runs
+   them, which ends with the workload. Each timed step is also bracketed by products of
+   a reference shape on that thread, and the run-by-run ratio to that reference is
+   reported beside it (docs/decisions.md, Roofline): it says how the step compares with a
+   product at the same moment, never the targets' denominator;
 4. one profiled step (bench/breakdown.py's attribution by Python stack) -> time per
    component next to its FLOPs: where the time goes that the FLOPs do not explain.
 
@@ -151,10 +151,16 @@ def measure_workload(engine, size: str, width: int, length: int, num_requests: i
     workload = make_workload(config.vocab_size, num_requests, length, width, args.seed)
     requests = [RecRequest(token_ids=row, beam_width=width) for row in workload.token_ids.tolist()]
     batch = prepare_batch([validate(r, engine.limits) for r in requests], config.d_model)
-    reference = reference_gemm(peak, args.device, engine.dtype)
     workspace = Workspace(engine.model.device)   # reused buffers, as a pipeline runs its steps
-    timing = interleaved(lambda: engine.step.run(batch, workspace), reference, args, bar)
-    profile = in_fresh_thread(lambda: profile_step(engine.step, batch, COMPONENT_OF, workspace))
+
+    def measure() -> tuple[Gemm, dict, dict]:
+        # one thread for the reference, the timed steps and the profiled one, as a pipeline
+        # runs its steps; it ends, so the bench keeps no OpenMP team (xrec.utils.fresh_thread)
+        reference = reference_gemm(peak, args.device, engine.dtype)
+        timing = interleaved(lambda: engine.step.run(batch, workspace), reference, args, bar)
+        return reference, timing, profile_step(engine.step, batch, COMPONENT_OF, workspace)
+
+    reference, timing, profile = in_fresh_thread(measure)
     bar.update(1)
     shape = SearchShape(num_requests, length, width, fan_out(engine.step.tables),
                         prefix_len=config.decoder_start_len)
@@ -168,20 +174,16 @@ def measure_workload(engine, size: str, width: int, length: int, num_requests: i
 
 def interleaved(step, reference: Gemm, args: argparse.Namespace, bar) -> dict:
     """Warm-up steps, then the reference GEMM and `args.repeats` x (one step, then the
-    reference GEMM), each in a fresh thread: step seconds, and per step the reference
+    reference GEMM), all on the calling thread: step seconds, and per step the reference
     FLOP/s around it (the geometric mean of the products just before and just after:
     the rate drifts within seconds here, and a step is bracketed better than followed)."""
     def timed(fn) -> float:
-        def run() -> float:
-            start = time.perf_counter()
-            fn()
-            return time.perf_counter() - start
-        return in_fresh_thread(run)
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
 
     def rate() -> float:
-        # the best of three products: the first in a fresh thread also pays its thread team's
-        # start, and the step's own team may still spin for a moment
-        return reference.flops / in_fresh_thread(lambda: min(reference.seconds() for _ in range(3)))
+        return reference.flops / min(reference.seconds() for _ in range(3))   # the best of three
 
     for _ in range(args.warmup):
         timed(step)

@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from xrec.utils.fresh_thread import in_fresh_thread
+
 __all__ = ["CPU_GEMM_ENV", "CPU_GEMM_CHOICES", "cpu_fp32_gemm", "onednn_linear"]
 
 CPU_GEMM_ENV = "XREC_CPU_GEMM"
@@ -96,7 +98,9 @@ def _decide(option: str) -> str:
         return option
     if not torch.backends.mkldnn.is_available():
         return "mkl"
-    return "onednn" if measured_speedup() >= MIN_SPEEDUP else "mkl"
+    # in a thread that ends: the products' OpenMP team must not stay on the caller's thread
+    # (xrec.utils.fresh_thread)
+    return "onednn" if in_fresh_thread(measured_speedup) >= MIN_SPEEDUP else "mkl"
 
 
 def measured_speedup() -> float:
