@@ -31,7 +31,7 @@ import statistics
 import time
 
 from xrec.bench.breakdown import profile_step
-from xrec.bench.lib.args import progress_bar
+from xrec.bench.lib.args import SERVING_OPTIONS, progress_bar
 from xrec.bench.lib.common import (environment, environment_markdown, markdown_table,
                                output_paths, pyplot, write_outputs)
 from xrec.bench.lib.flops import COMPONENTS, SearchShape, fan_out, search_flops
@@ -134,7 +134,8 @@ def load_engine(size: str, threads: int, dtype: str, args: argparse.Namespace):
     from xrec import Engine
 
     return Engine.from_pretrained(model_dir(size, args.seed, args.items), isolation="thread",
-                                  device=args.device, dtype=dtype, num_threads=threads)
+                                  device=args.device, dtype=dtype, num_threads=threads,
+                                  **SERVING_OPTIONS)
 
 
 def measure_workload(engine, size: str, width: int, length: int, num_requests: int, peak: dict,

@@ -21,6 +21,12 @@ def model_dir_of(args: argparse.Namespace):
     return model_dir(args.size, args.seed, args.items)
 
 
+# Engine options of every engine a benchmark measures xrec's speed with: what a serving
+# process takes (`Engine.own_process`; docs/decisions.md, "Host memory on a CPU"), so that
+# the bench measures xrec as it serves. Process-wide: in-process contenders share it.
+SERVING_OPTIONS = {"retain_host_memory": True}
+
+
 def dtype_option(args: argparse.Namespace | dict) -> dict:
     """--dtype (of the arguments, or of a setting built from them) as engine options:
     {"dtype": ...} when given, else {} (the engine's "auto")."""

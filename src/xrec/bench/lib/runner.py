@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from xrec.bench.lib.args import SERVING_OPTIONS
 from xrec.bench.lib.common import MIB, PeakMemory, summarize
 from xrec.bench.lib.contenders import (HFContender, RunResult, XrecContender, build_trie,
                                        overlap)
@@ -48,8 +49,8 @@ def load_contenders(names: list[str], model_dir: Path, device: str, threads: int
     if threads:
         torch.set_num_threads(threads)
     def open_engine(**overrides):
-        options = {"device": device, "num_threads": threads, **(engine_options or {}),
-                   **overrides}
+        options = {"device": device, "num_threads": threads, **SERVING_OPTIONS,
+                   **(engine_options or {}), **overrides}
         return Engine.from_pretrained(model_dir, isolation="thread",
                                       **{k: v for k, v in options.items() if v is not None})
 
