@@ -101,16 +101,18 @@ def summarize(wall_s: Sequence[float], latencies_s: Sequence[float], num_request
 # ---- peak memory --------------------------------------------------------------------------
 
 class PeakMemory:
-    """Peak extra memory of a block: on CPU the process RSS sampled every `interval_s` by a
-    background thread (and the kernel's VmHWM where it can be reset), minus the RSS before;
-    on CUDA `torch.cuda.max_memory_allocated` minus the allocation before.
+    """Peak extra memory of a block: on CPU the RSS of process `pid` (default this one)
+    sampled every `interval_s` by a background thread (and the kernel's VmHWM where it can
+    be reset), minus the RSS before; on CUDA `torch.cuda.max_memory_allocated` minus the
+    allocation before.
 
     >>> with PeakMemory("cpu") as mem: run()
     >>> mem.peak_bytes
     """
 
-    def __init__(self, device: str = "cpu", interval_s: float = 0.001):
+    def __init__(self, device: str = "cpu", interval_s: float = 0.001, pid: int | None = None):
         self.device, self.interval_s = device, interval_s
+        self.proc = Path("/proc") / ("self" if pid is None else str(pid))
         self.peak_bytes = 0
         self._stop = threading.Event()
 
@@ -123,16 +125,17 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self._base = torch.cuda.memory_allocated()
             return self
-        _trim_heap()
-        self._hwm_reset = _reset_hwm()
-        self._base = self._max = _status_bytes("VmRSS")
+        if self.proc.name == "self":
+            _trim_heap()
+        self._hwm_reset = _reset_hwm(self.proc)
+        self._base = self._max = _status_bytes(self.proc, "VmRSS")
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
 
     def _sample(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self._max = max(self._max, _status_bytes("VmRSS"))
+            self._max = max(self._max, _status_bytes(self.proc, "VmRSS"))
 
     def __exit__(self, *exc: Any) -> None:
         if self.device.startswith("cuda"):
@@ -142,15 +145,15 @@ class PeakMemory:
             return
         self._stop.set()
         self._thread.join()
-        peak = max(self._max, _status_bytes("VmRSS"))
+        peak = max(self._max, _status_bytes(self.proc, "VmRSS"))
         if self._hwm_reset:
-            peak = max(peak, _status_bytes("VmHWM"))
+            peak = max(peak, _status_bytes(self.proc, "VmHWM"))
         self.peak_bytes = max(0, peak - self._base)
 
 
-def _status_bytes(key: str) -> int:
+def _status_bytes(proc: Path, key: str) -> int:
     try:
-        with open("/proc/self/status") as f:
+        with open(proc / "status") as f:
             for line in f:
                 if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
@@ -159,10 +162,11 @@ def _status_bytes(key: str) -> int:
     return 0
 
 
-def _reset_hwm() -> bool:
-    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS; False where not allowed."""
+def _reset_hwm(proc: Path) -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) of `proc` to its current RSS; False where
+    not allowed."""
     try:
-        with open("/proc/self/clear_refs", "w") as f:
+        with open(proc / "clear_refs", "w") as f:
             f.write("5")
         return True
     except OSError:

@@ -39,6 +39,7 @@ class XrecContender:
     def __init__(self, engine, normalize: str, name: str,
                  exclusions: Callable[[Workload], list[np.ndarray]] | None = None):
         self.engine, self.normalize, self.name = engine, normalize, name
+        self.pid = getattr(engine, "pid", None)    # a process-isolated engine's child
         self.exclusions = exclusions
         self._reports: list[int] = []           # requests per finished batch
         engine.add_report_hook(lambda report: self._reports.append(report.num_requests))

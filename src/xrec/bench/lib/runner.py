@@ -41,6 +41,7 @@ def load_contenders(names: list[str], model_dir: Path, device: str, threads: int
 
     from xrec import Engine
     from xrec.catalog import ItemCatalog
+    from xrec.config import read_model_config
     from xrec.model.loader import load_model
 
     unknown = [n for n in names if n not in CONTENDERS]
@@ -48,24 +49,27 @@ def load_contenders(names: list[str], model_dir: Path, device: str, threads: int
         raise ValueError(f"contenders: unknown {unknown}, allowed: {', '.join(CONTENDERS)}")
     if threads:
         torch.set_num_threads(threads)
+    # On a CPU each xrec engine runs in a child process of its own (the library's default
+    # isolation): two OpenMP teams in one process (two engines, or an engine's and HF's)
+    # make libgomp throttle every team (docs/decisions.md, "One OpenMP team per process").
+    isolation = "thread" if device.startswith("cuda") else "process"
+
     def open_engine(**overrides):
-        options = {"device": device, "num_threads": threads, **SERVING_OPTIONS,
+        options = {"device": device, "num_threads": threads, **SERVING_OPTIONS, "adaptive_threads": False,
                    **(engine_options or {}), **overrides}
-        return Engine.from_pretrained(model_dir, isolation="thread",
+        return Engine.from_pretrained(model_dir, isolation=isolation,
                                       **{k: v for k, v in options.items() if v is not None})
 
-    engine = model = None
-    if {"xrec", "xrec-full", "xrec-filter"} & set(names):
-        engine = open_engine()
-        model = engine.model
+    engine = open_engine() if {"xrec", "xrec-full", "xrec-filter"} & set(names) else None
     # xrec-fp32's engine: float32 whatever the options or "auto" give xrec's
     float32_engine = open_engine(dtype="float32") if "xrec-fp32" in names else None
-    if model is None or model.dtype != torch.float32:
-        model = load_model(model_dir, device, torch.float32)
-    if "naive" in names and not model.config.is_encoder_decoder:
+    config = read_model_config(Path(model_dir) / "config.json")
+    # the float32 model of the Hugging Face and naive contenders, in this process
+    model = load_model(model_dir, device, torch.float32) if set(SLOW) & set(names) else None
+    if "naive" in names and not config.is_encoder_decoder:
         raise ValueError("contender naive: a generic encoder-decoder search; this model is "
                          "decoder-only (compare with hf)")
-    catalog = ItemCatalog.from_model_dir(model_dir, model.config.vocab_size)
+    catalog = ItemCatalog.from_model_dir(model_dir, config.vocab_size)
     if catalog is None:
         raise ValueError(f"{model_dir} has no catalog (tokenizer_config.json item_catalog or vocab_file)")
     by_name: dict[str, Any] = {}
@@ -85,20 +89,20 @@ def load_contenders(names: list[str], model_dir: Path, device: str, threads: int
         else:
             from xrec.bench.lib.naive import NaiveContender
             by_name[name] = NaiveContender(model, trie)
-    info = {"model_dir": str(model_dir), "config": model.config.to_dict(),
+    info = {"model_dir": str(model_dir), "config": config.to_dict(),
             "num_items": catalog.num_items, "num_triples": catalog.num_triples,
-            "dtype": str(model.dtype).replace("torch.", "")}
+            "isolation": isolation}
     if engine is not None:
         info["engine_options"] = asdict(engine.options)
         info["engine_pipelines"] = engine.num_pipelines
-    info["engine_dtypes"] = {name: str(e.model.dtype).replace("torch.", "") for name, e in
+    info["engine_dtypes"] = {name: e.dtype for name, e in
                              (("xrec", engine), ("xrec-fp32", float32_engine)) if e is not None}
     # The contenders' long-lived objects (HF's trie above all) are not garbage: keep the
     # collector from rescanning one contender's heap inside another's timed run
     # (docs/decisions.md, Benchmarks).
     gc.collect()
     gc.freeze()
-    return Contenders(by_name, engine, model.config.vocab_size, info, float32_engine)
+    return Contenders(by_name, engine, config.vocab_size, info, float32_engine)
 
 
 def _hf_model(model, model_dir: Path, device: str):
@@ -170,7 +174,7 @@ def run_point(contenders: Contenders, workload: Workload, warmup: int, repeats: 
     for name, contender in contenders.by_name.items():
         for index in range(warmup):
             if index == warmup - 1:
-                with PeakMemory(device) as mem:
+                with PeakMemory(device, pid=getattr(contender, "pid", None)) as mem:
                     checked[name] = in_fresh_thread(lambda: contender.run(workload))
                 memory[name] = mem.peak_bytes / MIB
             else:
