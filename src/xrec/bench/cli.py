@@ -1,7 +1,8 @@
 """`xrec bench offline | scaling | breakdown | roofline | serve | embedded | batch |
 contention`: argument parsing and dispatch.
 
-Every command runs its contenders side by side in one process, prints a Markdown
+Every command runs its contenders side by side (on a CPU, `offline` and `scaling` run each
+xrec engine in a child process of its own: one OpenMP team per process), prints a Markdown
 table and writes `<out>/<name>-<timestamp>.json`, `.md` and (where a curve says more)
 `.png`. Heavy imports (torch, transformers, matplotlib) happen inside the commands.
 """
