@@ -108,3 +108,27 @@ def test_the_setting_gives_torch_buffers_huge_pages():
     assert int(done.stdout) >= 64 * 1024           # kB: at least half of the 128 MiB
     if _huge_pages_mode() == "madvise":
         assert int(_python(script, **{HUGE_PAGES_ENV: "0"})) < 64 * 1024
+
+
+def test_ctrl_c_waits_for_the_fresh_thread_then_is_raised():
+    """SIGINT while `in_fresh_thread` runs: the function finishes first (an interpreter
+    that exits under running torch work aborts), then KeyboardInterrupt reaches the
+    caller."""
+    out = _python("""
+        import os, signal, threading, time
+        from xrec.utils.fresh_thread import in_fresh_thread
+
+        done = []
+        def work():
+            time.sleep(1.0)
+            done.append(True)
+            return "value"
+
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+        try:
+            in_fresh_thread(work)
+            print("returned")
+        except KeyboardInterrupt:
+            print("interrupted", "after" if done else "before")
+    """)
+    assert out == "interrupted after"

@@ -144,7 +144,8 @@ class Engine(EngineFrontend):
         `isolation`: "process" (default) runs the pipelines in a child process
         (`ProcessEngine`, the same request API), where the host's own torch work cannot
         throttle them; "thread" runs them in this process, returning an `Engine` (its
-        internals reachable; what `xrec serve` uses). README, "Embedding the engine"."""
+        internals reachable; what `xrec serve` uses), built in a thread that ends so that
+        the caller's thread keeps no OpenMP team. README, "Embedding the engine"."""
         if isolation == "process":
             from xrec.engine.isolated import ProcessEngine
             return ProcessEngine.start(model_dir, catalog, engine_options)

@@ -52,11 +52,13 @@ def load_contenders(names: list[str], model_dir: Path, device: str, threads: int
     # On a CPU each xrec engine runs in a child process of its own (the library's default
     # isolation): two OpenMP teams in one process (two engines, or an engine's and HF's)
     # make libgomp throttle every team (docs/decisions.md, "One OpenMP team per process").
+    # Fixed threads: a child that follows the free cores reads the other contenders' CPU
+    # time as a busy neighbour and takes one thread.
     isolation = "thread" if device.startswith("cuda") else "process"
 
     def open_engine(**overrides):
-        options = {"device": device, "num_threads": threads, **SERVING_OPTIONS, "adaptive_threads": False,
-                   **(engine_options or {}), **overrides}
+        options = {"device": device, "num_threads": threads, **SERVING_OPTIONS,
+                   "adaptive_threads": False, **(engine_options or {}), **overrides}
         return Engine.from_pretrained(model_dir, isolation=isolation,
                                       **{k: v for k, v in options.items() if v is not None})
 
