@@ -141,8 +141,11 @@ def test_engine_recaptures_after_a_catalog_reload():
                 got, want = graphed.recommend(requests), plain.recommend(requests)
                 assert [[c.tokens for c in r.results] for r in got] == \
                     [[c.tokens for c in r.results] for r in want]
-                assert [[c.score for c in r.results] for r in got] == \
-                    [[c.score for c in r.results] for r in want]
+                # scores to float32 rounding: the graphs run padded shapes, and a product's
+                # library may block (and so round) by its row count (MKL on an Intel CPU does)
+                np.testing.assert_allclose([[c.score for c in r.results] for r in got],
+                                           [[c.score for c in r.results] for r in want],
+                                           rtol=1e-5, atol=1e-6)
             stats = graphed.stats()
             assert (stats.graph_captures, stats.graph_replays) == [(1, 1), (2, 2)][round_index]
             if round_index == 0:
