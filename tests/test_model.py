@@ -31,6 +31,7 @@ from xrec.config import MODEL_SIZES, ModelConfig
 from xrec.model.kv import BeamKV
 from xrec.model.loader import CheckpointError, load_model, save_model
 from xrec.model.attention import padding_mask
+from xrec.model.layers import stacked
 from xrec.model.onerec import EncoderDecoderContext
 
 RTOL = 3e-5          # float32 against float32 HF / float64 naive, relative to the largest magnitude
@@ -402,6 +403,29 @@ def test_names_prefixes_and_shards_load_the_same(tmp_path, config_name):
             # differ: the MoE case reached 1.03e-6 of the largest logit on an AVX-512 EPYC)
             for a, b in zip(_outputs(model), want):
                 _rel_close(a, b, 1e-5, naming)
+
+
+def test_loaded_projections_are_stacked_and_answer_as_unstacked(tmp_path):
+    """The loader stores each attention's q, k and v one after another (one product in
+    place of three, `layers.stack_weights`): names and values as in the checkpoint, no
+    extra memory, and the same outputs as a model whose weights lie apart (the fallback of
+    three products) up to float32 kernel rounding."""
+    cfg = MODEL_SIZES["tiny"]
+    sd = random_state_dict(cfg, seed=51)
+    model = load_model(save_checkpoint(tmp_path / "m", cfg, sd))
+    for name, module in model.named_modules():
+        if hasattr(module, "project_qkv"):
+            q, k, v = module.q.weight, module.k.weight, module.v.weight
+            assert stacked(q, k, v) is not None and stacked(k, v) is not None, name
+            assert k.data_ptr() == q.data_ptr() + q.numel() * q.element_size(), name
+    state = model.state_dict()
+    assert set(state) == set(sd) and all(torch.equal(state[n], sd[n]) for n in sd)
+    apart = load_model(save_checkpoint(tmp_path / "apart", cfg, sd))
+    apart.load_state_dict({n: t.clone() for n, t in sd.items()}, assign=True)   # one tensor each
+    attention = apart.encoder.block[0].layer[0].SelfAttention
+    assert stacked(attention.q.weight, attention.k.weight, attention.v.weight) is None
+    for a, b in zip(_outputs(model), _outputs(apart)):
+        _rel_close(a, b, 1e-5, "stacked vs apart")
 
 
 def test_reversed_square_bias_is_a_view_of_the_pairwise_bias():

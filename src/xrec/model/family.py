@@ -37,11 +37,14 @@ class RecModel(nn.Module):
 
     `family`: the family's name (metrics, logs). `cpu_auto_bf16`: whether dtype "auto"
     may pick bfloat16 on a CPU with native bf16 (`xrec.model.dtype.resolve_dtype`); True
-    only once the family's bf16 quality gate held on a trained model (issue 23)."""
+    only once the family's bf16 quality gate held on a trained model (issue 23).
+    `stacked`: groups of weight-name suffixes the loader stores one after another
+    (`layers.stack_weights`), so that one product serves them all."""
 
     config: FamilyConfig
     family: ClassVar[str] = ""
     cpu_auto_bf16: ClassVar[bool] = False
+    stacked: ClassVar[tuple[tuple[str, ...], ...]] = ()
 
     # ---- what a family implements -------------------------------------------------
 

@@ -40,6 +40,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.T.contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
+def stack_weights(tensors: dict[str, torch.Tensor], groups: tuple[tuple[str, ...], ...]) -> None:
+    """Store each group of sibling tensors (names that differ only by the group's suffixes,
+    e.g. one attention's q, k and v weights) one after another in one tensor, the dict's
+    entries becoming views of it: names, shapes and values unchanged, no extra memory. Then
+    `stacked` reads a group as one product's weight. In place."""
+    for suffixes in groups:
+        for name in [n for n in tensors if n.endswith(suffixes[0])]:
+            names = [name[:-len(suffixes[0])] + suffix for suffix in suffixes]
+            parts = [tensors.get(n) for n in names]
+            if any(p is None or p.shape[1:] != parts[0].shape[1:] or p.dtype != parts[0].dtype
+                   or p.device != parts[0].device for p in parts):
+                continue
+            whole = torch.cat(parts)
+            for n, view in zip(names, whole.split([p.shape[0] for p in parts])):
+                tensors[n] = view
+
+
+def stacked(*weights: torch.Tensor) -> torch.Tensor | None:
+    """`weights` as one tensor, their rows one after another, when they lie so in one
+    storage (as `stack_weights` leaves them); else None. A view: nothing is copied."""
+    first = weights[0]
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for weight in weights:
+        if (weight.untyped_storage().data_ptr() != storage or weight.storage_offset() != offset
+                or not weight.is_contiguous() or weight.shape[1:] != first.shape[1:]):
+            return None
+        offset += weight.numel()
+    return first.as_strided((sum(w.shape[0] for w in weights), *first.shape[1:]), first.stride())
+
+
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters, names and checkpoints) computed by `linear`."""
 

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from xrec.config import FamilyConfig, read_model_config
 from xrec.model.family import RecModel
+from xrec.model.layers import stack_weights
 from xrec.model.registry import model_class
 
 
@@ -96,8 +97,8 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     for name, tensor in cast.items():   # a value beyond a narrower dtype's range becomes inf
         if tensors[name].dtype != dtype:
             _check_finite(tensor, repr(name), f"after the cast to {dtype} (from {tensors[name].dtype})")
-    tensors = cast
-    model.load_state_dict(tensors, assign=True)
+    stack_weights(cast, model.stacked)
+    model.load_state_dict(cast, assign=True)
     return model.eval().requires_grad_(False)
 
 

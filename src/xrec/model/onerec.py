@@ -148,6 +148,7 @@ class OneRecModel(RecModel):
 
     family = "onerec"
     cpu_auto_bf16 = True    # "auto" is bfloat16 on CPUs with native bf16: the gate held (docs/decisions.md)
+    stacked = ((".q.weight", ".k.weight", ".v.weight"),)   # Attention.project_qkv / project_kv
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -245,8 +246,7 @@ class OneRecModel(RecModel):
         for block in self.encoder.block:
             sub = block.layer[0]
             x = sub.layer_norm(hidden)
-            q = sub.SelfAttention.project_q(x).transpose(1, 2)             # [B, H, L, Dh]
-            k, v = (t.transpose(1, 2) for t in sub.SelfAttention.project_kv(x))
+            q, k, v = (t.transpose(1, 2) for t in sub.SelfAttention.project_qkv(x))  # [B, H, L, Dh]
             out = attend(q.flip(2) if reverse else q, k, v, mask, scale)
             out = (out.flip(2) if reverse else out).transpose(1, 2).flatten(2)  # [B, L, H*Dh]
             hidden = hidden + sub.SelfAttention.o(out)
@@ -283,8 +283,7 @@ class OneRecModel(RecModel):
         for index, block in enumerate(self.decoder.block):
             sub = block.layer[0]
             x = sub.layer_norm(hidden)
-            q = sub.SelfAttention.project_q(x).transpose(1, 2)
-            k, v = (t.transpose(1, 2) for t in sub.SelfAttention.project_kv(x))  # [B, kvH, P, Dh]
+            q, k, v = (t.transpose(1, 2) for t in sub.SelfAttention.project_qkv(x))  # [B, kvH, P, Dh]
             ks.append(k)
             vs.append(v)
             hidden = hidden + sub.SelfAttention.o(attend(q, k, v, mask, scale).transpose(1, 2).flatten(2))
@@ -312,8 +311,7 @@ class OneRecModel(RecModel):
         for index, block in enumerate(self.decoder.block):
             sub = block.layer[0]
             x = sub.layer_norm(hidden)
-            q = sub.SelfAttention.project_q(x)                            # [B, W, H, Dh]
-            k_new, v_new = sub.SelfAttention.project_kv(x)                # [B, W, kvH, Dh]
+            q, k_new, v_new = sub.SelfAttention.project_qkv(x)            # [B, W, H|kvH, Dh]
             beam_k, beam_v = beams.layer(index)                           # [B, W, R-1, kvH, Dh]
             beam_k[:, :, slot] = k_new
             beam_v[:, :, slot] = v_new

@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from xrec.config import FamilyConfig
 from xrec.model.family import RecModel
+from xrec.model.layers import stack_weights
 from xrec.model.registry import model_class
 
 _NORMS = ("layer_norm.weight", "layernorm.weight", "norm.weight")
@@ -60,6 +61,7 @@ def random_model(config: FamilyConfig, seed: int = 0, device: str | torch.device
         generator = torch.Generator(device=device).manual_seed(seed)
         tensors = {name: _draw(name, shape, generator, device).to(dtype)
                    for name, shape in _shapes(config).items()}
+    stack_weights(tensors, model.stacked)
     model.load_state_dict(tensors, assign=True)
     return model.eval().requires_grad_(False)
 
