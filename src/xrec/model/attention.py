@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xrec.model.layers import Linear, linear, stacked
+from xrec.model.layers import Linear, stacked_linear
 
 
 class Attention(nn.Module):
@@ -38,26 +38,17 @@ class Attention(nn.Module):
         return self.q(x).unflatten(-1, (self.num_heads, self.head_dim))        # [..., H, Dh]
 
     def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k and v `[..., kvH, Dh]`: one product where the weights are stacked, else two."""
         shape = (self.num_kv_heads, self.head_dim)
-        weight = stacked(self.k.weight, self.v.weight)
-        if weight is None:
-            return self.k(x).unflatten(-1, shape), self.v(x).unflatten(-1, shape)
-        return linear(x, weight).unflatten(-1, (2, *shape)).unbind(-3)
+        k, v = stacked_linear(x, (self.k, self.v))
+        return k.unflatten(-1, shape), v.unflatten(-1, shape)                  # [..., kvH, Dh]
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q `[..., H, Dh]`, k and v `[..., kvH, Dh]` of the same rows: one product where the
-        weights are stacked, wider and so faster on a CPU in bfloat16 (docs/decisions.md,
-        "Stacked projections"), else three."""
-        weight = stacked(self.q.weight, self.k.weight, self.v.weight)
-        if weight is None:
-            return (self.project_q(x), *self.project_kv(x))
-        kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = linear(x, weight).split((self.num_heads * self.head_dim, kv_size, kv_size), -1)
-        kv_shape = (self.num_kv_heads, self.head_dim)
-        return (q.unflatten(-1, (self.num_heads, self.head_dim)), k.unflatten(-1, kv_shape),
-                v.unflatten(-1, kv_shape))
-
+        """q `[..., H, Dh]`, k and v `[..., kvH, Dh]` of the same rows, in one product where
+        the loader stacked the weights (`layers.stacked_linear`)."""
+        q, k, v = stacked_linear(x, (self.q, self.k, self.v))
+        shape = (self.num_kv_heads, self.head_dim)
+        return (q.unflatten(-1, (self.num_heads, self.head_dim)), k.unflatten(-1, shape),
+                v.unflatten(-1, shape))
 
 def padding_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
     """`[B]` lengths -> additive key mask `[B, 1, 1, max_len]` (0 inside, -inf past the end)."""

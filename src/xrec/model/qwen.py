@@ -23,7 +23,7 @@ from xrec.model.attention import (attend, attend_beams, merge_states, padding_ma
 from xrec.model.family import RecModel
 from xrec.model.inputs import ModelInputs
 from xrec.model.kv import Allocate, BeamKV, PrefixKV
-from xrec.model.layers import Linear, RMSNorm, SwiGLU
+from xrec.model.layers import Linear, RMSNorm, SwiGLU, stacked_linear
 from xrec.model.moe import SparseMoE
 from xrec.model.rope import apply_rope, rope_tables
 from xrec.config.qwen import QwenConfig
@@ -47,20 +47,30 @@ class QwenAttention(nn.Module):
 
     def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """`x [..., D]` -> q `[..., H, Dh]`, normed and rotated (`cos`/`sin` broadcast over heads)."""
-        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
-        return apply_rope(self.q_norm(q) if hasattr(self, "q_norm") else q, cos, sin)
+        return self._rotated_q(self.q_proj(x), cos, sin)
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`x [..., D]` -> k (normed and rotated) and v, `[..., kvH, Dh]` each."""
-        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        return apply_rope(self.k_norm(k) if hasattr(self, "k_norm") else k, cos, sin), v
+        """`x [..., D]` -> k (normed and rotated) and v, `[..., kvH, Dh]` each (one product
+        where the loader stacked the weights: `layers.stacked_linear`)."""
+        return self._rotated_kv(*stacked_linear(x, (self.k_proj, self.v_proj)), cos, sin)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q `[..., H, Dh]`, k and v `[..., kvH, Dh]` of `x [..., D]`."""
-        return (self.project_q(x, cos, sin), *self.project_kv(x, cos, sin))
+        """q `[..., H, Dh]`, k and v `[..., kvH, Dh]` of `x [..., D]`, in one product where
+        the loader stacked the weights."""
+        q, k, v = stacked_linear(x, (self.q_proj, self.k_proj, self.v_proj))
+        return (self._rotated_q(q, cos, sin), *self._rotated_kv(k, v, cos, sin))
+
+    def _rotated_q(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        return apply_rope(self.q_norm(q) if hasattr(self, "q_norm") else q, cos, sin)
+
+    def _rotated_kv(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (self.num_kv_heads, self.head_dim)
+        k, v = k.unflatten(-1, shape), v.unflatten(-1, shape)
+        return apply_rope(self.k_norm(k) if hasattr(self, "k_norm") else k, cos, sin), v
 
 
 class QwenLayer(nn.Module):
@@ -91,6 +101,8 @@ class QwenModel(RecModel):
 
     family = "qwen"
     cpu_auto_bf16 = True    # "auto" is bfloat16 on CPUs with native bf16: the gate held (docs/decisions.md)
+    stacked = tuple((f".q_proj.{kind}", f".k_proj.{kind}", f".v_proj.{kind}")   # one product
+                    for kind in ("weight", "bias"))
 
     def __init__(self, config: QwenConfig):
         super().__init__()
@@ -139,12 +151,14 @@ class QwenModel(RecModel):
         layers = self.model.layers
         for index, layer in enumerate(layers):
             attn, x = layer.self_attn, layer.input_layernorm(hidden)
-            k, v = attn.project_kv(x, cos, sin)                           # [B, L, kvH, Dh]
+            is_last = index == len(layers) - 1
+            # every position's k and v; its q too, but in the last layer only the last's
+            q, k, v = (None, *attn.project_kv(x, cos, sin)) if is_last else \
+                attn.project(x, cos, sin)                                 # [B, L, H|kvH, Dh]
             keys, values = kv[0, index], kv[1, index]
             keys.copy_(k.transpose(1, 2))
             values.copy_(v.transpose(1, 2))
-            if index < len(layers) - 1:
-                q = attn.project_q(x, cos, sin)                           # [B, L, H, Dh]
+            if not is_last:
                 out = attend(q.transpose(1, 2), keys, values, None, self.scale, is_causal=True)
                 hidden = hidden + attn.o_proj(out.transpose(1, 2).flatten(2))
             else:  # only the last position of each prompt goes on
