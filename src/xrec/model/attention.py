@@ -50,6 +50,7 @@ class Attention(nn.Module):
         return (q.unflatten(-1, (self.num_heads, self.head_dim)), k.unflatten(-1, shape),
                 v.unflatten(-1, shape))
 
+
 def padding_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
     """`[B]` lengths -> additive key mask `[B, 1, 1, max_len]` (0 inside, -inf past the end)."""
     inside = torch.arange(max_len, device=lengths.device) < lengths.unsqueeze(1)
