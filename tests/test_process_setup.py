@@ -124,6 +124,9 @@ def test_ctrl_c_waits_for_the_fresh_thread_then_is_raised():
             done.append(True)
             return "value"
 
+        # Python's own handler: a shell that starts a job in the background (as CI may)
+        # leaves SIGINT ignored, and then Python installs none
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
         try:
             in_fresh_thread(work)
