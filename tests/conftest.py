@@ -25,6 +25,14 @@ os.environ.setdefault("XREC_CPU_AUTO_DTYPE", "float32")
 # Thread counts stay as configured whatever the machine's load (xrec.engine.threads), so that
 # results do not depend on what else the machine runs; the tests of adaptive threads turn it on.
 os.environ.setdefault("XREC_ADAPTIVE_THREADS", "0")
+# One float32 library for every process of the run (xrec.model.gemm decides by measuring,
+# once per process): where MKL and oneDNN tie (an Intel CPU with AMX), two processes may
+# choose differently, and results that must agree across processes (a killed training
+# run resumed by another) then differ by float32 rounding. Kept if the caller set it; the
+# tests of the choice set their own.
+if "XREC_CPU_GEMM" not in os.environ:
+    from xrec.model.gemm import cpu_fp32_gemm
+    os.environ["XREC_CPU_GEMM"] = cpu_fp32_gemm()
 
 STATS = Path("mutmut-stats.json")   # mutmut runs the tests inside mutants/
 # mutant name prefix -> the test files that speak for that module
