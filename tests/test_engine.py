@@ -146,11 +146,9 @@ def test_cpu_engine_keeps_freed_host_memory_mapped_for_reuse(model_dir):
     is over its 32 MiB mmap ceiling); after a CPU engine starts, freed blocks are reused.
     Each case in a fresh process: malloc's state is process-wide."""
     def steady_state_faults(retain: bool) -> int:
-        # 4 KiB pages: huge pages (which the `xrec` command asks for) fault 512 times fewer
-        env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "0"}
         out = subprocess.run([sys.executable, "-c", _STEADY_STATE_FAULTS, str(model_dir),
                               "1" if retain else "0"], capture_output=True, text=True,
-                             timeout=WAIT_S, check=True, env=env)
+                             timeout=WAIT_S, check=True)
         return int(out.stdout.split()[-1])
 
     assert steady_state_faults(retain=False) > 10_000   # ~15,000 pages mapped per cycle

@@ -1,14 +1,12 @@
-"""What xrec does to the processes and threads it runs in.
+"""What xrec leaves on the threads it runs on.
 
 - Loading an in-thread engine runs its torch work (weights, the float32 library's
   measurement, the catalog) in a thread that ends: the caller's thread keeps no OpenMP
   team, which would make libgomp throttle the pipelines' teams (docs/decisions.md,
   "Loading in a thread that ends").
-- The processes xrec owns ask PyTorch's allocator for transparent huge pages
-  (`xrec.utils.huge_pages`); a value the user set wins.
+- `in_fresh_thread` (where that loading runs) lets Ctrl-C in only once its thread is done.
 
-Each check runs in a fresh interpreter: OpenMP teams and the allocator's setting are
-process state.
+Each check runs in a fresh interpreter: OpenMP teams and signal handlers are process state.
 """
 
 from __future__ import annotations
@@ -17,13 +15,10 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-from xrec import Engine
 from xrec.demo import write_random_model
-from xrec.utils.huge_pages import HUGE_PAGES_ENV
 
 
 @pytest.fixture(scope="module")
@@ -65,49 +60,6 @@ def test_loading_leaves_no_openmp_team_on_the_callers_thread(model_dir):
     before, loaded, after_own_op = map(int, counts.split())
     assert loaded == before
     assert after_own_op > before    # the check sees a team when there is one
-
-
-def test_the_isolated_child_asks_for_huge_pages_unless_told_not_to(model_dir, monkeypatch):
-    for parent_value, child_value in ((None, "1"), ("0", "0")):
-        if parent_value is None:
-            monkeypatch.delenv(HUGE_PAGES_ENV, raising=False)
-        else:
-            monkeypatch.setenv(HUGE_PAGES_ENV, parent_value)
-        with Engine.from_pretrained(model_dir, isolation="process", device="cpu") as engine:
-            environ = Path(f"/proc/{engine.pid}/environ").read_bytes().split(b"\0")
-        assert f"{HUGE_PAGES_ENV}={child_value}".encode() in environ
-
-
-def _huge_pages_mode() -> str:
-    try:
-        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return "unknown"
-    return text.split("[", 1)[1].split("]", 1)[0]
-
-
-@pytest.mark.skipif(_huge_pages_mode() not in ("madvise", "always"),
-                    reason="this kernel gives no transparent huge pages")
-def test_the_setting_gives_torch_buffers_huge_pages():
-    """Set as the `xrec` command sets it (before torch loads), the variable gets large
-    buffers huge pages; set to 0 it does not (under "madvise", the kernel's usual mode;
-    "always" gives them regardless)."""
-    script = """
-        from xrec.utils.huge_pages import ask_for_huge_pages
-        ask_for_huge_pages()
-        import torch
-        buffers = [torch.ones(1 << 22) for _ in range(8)]   # 8 x 16 MiB
-        rollup = open("/proc/self/smaps_rollup").read()
-        print(next(int(line.split()[1]) for line in rollup.splitlines()
-                   if line.startswith("AnonHugePages:")))
-    """
-    environ = {k: v for k, v in os.environ.items() if k != HUGE_PAGES_ENV}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=environ,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert int(done.stdout) >= 64 * 1024           # kB: at least half of the 128 MiB
-    if _huge_pages_mode() == "madvise":
-        assert int(_python(script, **{HUGE_PAGES_ENV: "0"})) < 64 * 1024
 
 
 def test_ctrl_c_waits_for_the_fresh_thread_then_is_raised():

@@ -12,12 +12,10 @@ from typing import Sequence
 from xrec.config import MODEL_SIZES, EngineOptions
 from xrec.config.engine import parse_generation_prefix
 from xrec.demo import model_dir_or_demo
-from xrec.utils.huge_pages import ask_for_huge_pages
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ask_for_huge_pages()   # before torch's first allocation (xrec.utils.huge_pages)
     if argv[:1] == ["bench"]:  # the bench command parses its own arguments, --help included
         from xrec.bench.cli import main as bench_main
         return bench_main(argv[1:])

@@ -56,7 +56,6 @@ from xrec.engine.frontend import EngineFrontend, EngineStats, arrival_time as _a
 from xrec.engine.requests import BatchReport
 from xrec.engine.transport import Arena, Region, dumps, loads
 from xrec.errors import DeadlineExceeded, Internal, Unavailable
-from xrec.utils.huge_pages import ask_for_huge_pages
 
 if TYPE_CHECKING:
     from xrec.catalog import ItemCatalog
@@ -248,8 +247,7 @@ class ProcessEngine(EngineFrontend):
         try:
             process = subprocess.Popen(
                 [sys.executable, "-m", "xrec.engine.worker", str(theirs.fileno()), str(arena.fd),
-                 str(arena.size)], pass_fds=(theirs.fileno(), arena.fd), stdin=subprocess.DEVNULL,
-                env=ask_for_huge_pages(dict(os.environ)))
+                 str(arena.size)], pass_fds=(theirs.fileno(), arena.fd), stdin=subprocess.DEVNULL)
         except BaseException:
             arena.close()
             ours.close()
