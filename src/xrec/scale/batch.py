@@ -250,41 +250,14 @@ def run_chunk(engine: EngineFrontend, raws: Sequence[Any], settings: RowSettings
 
 def load_engine(model_dir: str, catalog: str | None, options: dict,
                 owns_process: bool = False) -> Engine:
-    """The engine, loaded in a thread that ends: torch work on a long-lived thread keeps an
-    OpenMP team that slows the pipeline (docs/decisions.md, Benchmarks). `owns_process`:
-    this process exists to run it (the `xrec batch` command, a Ray actor or replica), so it
-    takes a serving process's settings (`Engine.own_process`). Ctrl-C while it loads waits
-    for the load and closes the engine (a process that exits with a half-made engine
-    aborts)."""
+    """The engine, in-thread (`Engine.from_pretrained` builds it in a thread that ends, so
+    this thread keeps no OpenMP team, and lets Ctrl-C in only once it is built: a process
+    that exits with a half-made engine aborts; a built one is closed at exit).
+    `owns_process`: this process exists to run it (the `xrec batch` command, a Ray actor or
+    replica), so it takes a serving process's settings (`Engine.own_process`)."""
     from xrec import Engine
 
-    box: dict[str, Any] = {}
-    finished = threading.Event()
-
-    def load() -> None:   # as `xrec.utils.fresh_thread.in_fresh_thread`, which Ctrl-C would
-        try:              # leave running
-            box["engine"] = Engine.from_pretrained(model_dir, catalog=catalog,
-                                                   isolation="thread", **options)
-        except BaseException as e:   # re-raised in the caller's thread
-            box["error"] = e
-        finally:
-            finished.set()
-
-    loader = threading.Thread(target=load, name="xrec-batch-load")
-    loader.start()
-    # an Event, not join(): once Ctrl-C interrupts a join(), Python 3.11 takes the thread for
-    # stopped although it runs on, and the process would exit under it
-    try:
-        finished.wait()
-    except KeyboardInterrupt:
-        finished.wait()
-        if "engine" in box:
-            box["engine"].close()
-        raise
-    loader.join()
-    if "error" in box:
-        raise box["error"]
-    engine = box["engine"]
+    engine = Engine.from_pretrained(model_dir, catalog=catalog, isolation="thread", **options)
     if owns_process:
         engine.own_process()
     return engine
