@@ -25,6 +25,9 @@ os.environ.setdefault("XREC_CPU_AUTO_DTYPE", "float32")
 # Thread counts stay as configured whatever the machine's load (xrec.engine.threads), so that
 # results do not depend on what else the machine runs; the tests of adaptive threads turn it on.
 os.environ.setdefault("XREC_ADAPTIVE_THREADS", "0")
+# Element-wise chains run eagerly unless a test asks for fused ones (option fused_kernels):
+# compiling them costs seconds per engine (xrec.model.fusion).
+os.environ.setdefault("XREC_FUSED_KERNELS", "0")
 # One float32 library for every process of the run (xrec.model.gemm decides by measuring,
 # once per process): where MKL and oneDNN tie (an Intel CPU with AMX), two processes may
 # choose differently, and results that must agree across processes (a killed training

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import xrec.model.layers as layers
-from xrec.model.layers import Linear, RMSNorm, gated_silu, linear, relative_position_bucket
+from xrec.model.layers import GatedSilu, Linear, RMSNorm, linear, relative_position_bucket
 from xrec.model.inputs import ModelInputs
 from xrec.model.loader import load_model
 
@@ -75,7 +75,7 @@ def test_gated_silu_is_down_of_silu_gate_times_up():
     silu = x * torch.sigmoid(x)
     hidden = silu * torch.tensor([[2.0, -3.0]])
     expected = torch.stack([hidden[:, 0] + hidden[:, 1], hidden[:, 1]], -1)
-    torch.testing.assert_close(gated_silu(x, gate, up, down), expected)
+    torch.testing.assert_close(GatedSilu().gated(x, gate, up, down), expected)
 
 
 def _hf_bucket(relative_position, bidirectional, num_buckets, max_distance):

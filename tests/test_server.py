@@ -190,7 +190,8 @@ def test_health_models_metrics(client):
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"]
     assert models["data"][0]["object"] == "model"
-    assert models["data"][0]["xrec"] == {"family": "onerec", "dtype": "float32"}   # what serves
+    assert models["data"][0]["xrec"] == {"family": "onerec", "dtype": "float32",   # what serves
+                                         "fused_kernels": False}
     assert client.get("/v1/models/tiny").json()["id"] == "tiny"
     assert_error(client.get("/v1/models/other"), 404, "NOT_FOUND")
     assert_error(client.get("/no/such/path"), 404, "NOT_FOUND")

@@ -50,6 +50,11 @@ class EngineOptions:
     cuda_graphs: bool | None = None      # capture each pipeline's decode rounds per bucket and
                                          # replay them (search/graphs.py); None: on for CUDA;
                                          # true needs a CUDA device
+    fused_kernels: bool | None = None    # compile the model's element-wise chains (RMSNorm, gated
+                                         # SiLU, xAttention's merge) into one kernel each, at load
+                                         # (model/fusion.py). None: on for a CPU model in bfloat16
+                                         # or float16 unless XREC_FUSED_KERNELS=0, off where
+                                         # compiling fails; true needs a CPU model
 
     def __post_init__(self) -> None:
         ranges = {"max_seqs_per_batch": (1, 1 << 16), "max_tokens_per_batch": (1, 1 << 30),
@@ -84,6 +89,9 @@ class EngineOptions:
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"option cuda_graphs: got {self.cuda_graphs!r}, allowed: true, false, "
                              "or None (on for CUDA)")
+        if self.fused_kernels is not None and not isinstance(self.fused_kernels, bool):
+            raise ValueError(f"option fused_kernels: got {self.fused_kernels!r}, allowed: true, "
+                             "false, or None (on for a CPU model in bfloat16 or float16)")
         if self.normalize not in ("allowed", "full"):
             raise ValueError(f"option normalize: got {self.normalize!r}, allowed: 'allowed', 'full'")
         if self.dtype not in ("auto",) + DTYPES:

@@ -35,6 +35,7 @@ from xrec.errors import InvalidArgument, Unavailable, XrecError
 from xrec.model.dtype import dtype_name, emulation_warning, resolve_dtype
 from xrec.model.gemm import cpu_fp32_gemm
 from xrec.model.family import RecModel
+from xrec.model.fusion import fuse, should_fuse, unfuse, warm_up
 from xrec.model.loader import load_model
 from xrec.model.random_init import random_model
 from xrec.model.registry import model_class
@@ -92,6 +93,7 @@ class Engine(EngineFrontend):
         if device.type == "cpu" and model.dtype == torch.float32:
             # at load, not in the first request: the library of float32 products is measured
             logger.info("float32 products on this CPU: %s", cpu_fp32_gemm())
+        self.fused_kernels = _fused_kernels(options, model)
         self.uses_graphs = _uses_graphs(options, model)
         # fixed for the engine's life: a catalog loaded later constrains iff this one did
         self.is_constrained = catalog is not None if options.constrained is None else options.constrained
@@ -290,7 +292,7 @@ class Engine(EngineFrontend):
         model = self.model
         return {"limits": self.limits, "options": self.options, "model_name": self.model_name,
                 "config": model.config, "device": str(model.device), "dtype": self.dtype,
-                "family": self.family,
+                "fused_kernels": self.fused_kernels, "family": self.family,
                 "num_parameters": sum(p.numel() for p in model.parameters()),
                 "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
                 "num_pipelines": self.num_pipelines,
@@ -313,6 +315,29 @@ class Engine(EngineFrontend):
                            executor.workspace_bytes_in_use, self.catalog_version,
                            not self._closed.is_set() and scheduler.is_running,
                            executor.cpu_threads, *executor.graph_counts)
+
+
+def _fused_kernels(options: EngineOptions, model: RecModel) -> bool:
+    """Option `fused_kernels` resolved and applied (xrec.model.fusion): the model's element-wise
+    chains compiled, and warmed up on synthetic batches so that no request pays a compile.
+    Where compiling fails (no C++ compiler, say), None leaves them eager with a warning and
+    true raises."""
+    if not should_fuse(options.fused_kernels, model.device, model.dtype):
+        return False
+    start = time.perf_counter()
+    fuse(model)
+    try:
+        # in a thread that ends: the warm-up's OpenMP team must not stay on this thread
+        in_fresh_thread(lambda: warm_up(model, options.rounds))
+    except Exception as error:  # whatever torch.compile raises: the eager chains still serve
+        unfuse(model)
+        if options.fused_kernels:
+            raise RuntimeError(f"option fused_kernels=true: compiling failed: {error}") from error
+        logger.warning("fused element-wise kernels unavailable, running them eagerly: %s: %s",
+                       type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+        return False
+    logger.info("fused element-wise kernels: compiled in %.1f s", time.perf_counter() - start)
+    return True
 
 
 def _uses_graphs(options: EngineOptions, model: RecModel) -> bool:

@@ -54,6 +54,7 @@ class EngineFrontend:
     model_name: str
     dtype: str        # the dtype serving, resolved ("float32", "bfloat16"; option dtype "auto")
     family: str       # the model family ("onerec", "qwen")
+    fused_kernels: bool   # its element-wise chains run compiled (option fused_kernels)
     tokenizer: PromptTokenizer | None
     num_pipelines: int
     workspace_per_pipeline: int

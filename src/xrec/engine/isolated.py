@@ -221,6 +221,7 @@ class ProcessEngine(EngineFrontend):
         self.limits, self.options = info["limits"], info["options"]
         self.model_name, self.config = info["model_name"], info["config"]
         self.dtype, self.family = info["dtype"], info["family"]
+        self.fused_kernels = info["fused_kernels"]
         self.num_pipelines = info["num_pipelines"]
         self.workspace_per_pipeline = info["workspace_per_pipeline"]
         self._info = info

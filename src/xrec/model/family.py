@@ -26,6 +26,7 @@ from torch import nn
 from xrec.config import FamilyConfig
 from xrec.model.inputs import ModelInputs
 from xrec.model.gemm import cpu_fp32_gemm, onednn_linear
+from xrec.model.attention import merge_states, unshared_stage
 from xrec.model.kv import Allocate, BeamKV
 from xrec.model.layers import linear
 
@@ -39,12 +40,17 @@ class RecModel(nn.Module):
     may pick bfloat16 on a CPU with native bf16 (`xrec.model.dtype.resolve_dtype`); True
     only once the family's bf16 quality gate held on a trained model (issue 23).
     `stacked`: groups of weight-name suffixes the loader stores one after another
-    (`layers.stack_weights`), so that one product serves them all."""
+    (`layers.stack_weights`), so that one product serves them all. `merge_states` and
+    `unshared_stage` (attention.py) are the decode rounds' element-wise attention chains,
+    attributes so that xrec.model.fusion may compile them (`fusable`)."""
 
     config: FamilyConfig
     family: ClassVar[str] = ""
     cpu_auto_bf16: ClassVar[bool] = False
     stacked: ClassVar[tuple[tuple[str, ...], ...]] = ()
+    fusable: ClassVar[tuple[str, ...]] = ("merge_states", "unshared_stage")
+    merge_states = staticmethod(merge_states)
+    unshared_stage = staticmethod(unshared_stage)
 
     # ---- what a family implements -------------------------------------------------
 

@@ -1,5 +1,6 @@
 """Small building blocks: linear layers, RMSNorm, gated-SiLU feed-forward (T5 and Qwen names),
-T5 position buckets."""
+T5 position buckets. The element-wise chains (`rms_norm_low_precision`, `silu_mul`) are
+plain functions that xrec.model.fusion may compile."""
 
 from __future__ import annotations
 
@@ -89,8 +90,26 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
+def rms_norm_low_precision(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """T5 / Qwen RMSNorm of a bfloat16 or float16 `x`, as Hugging Face computes it: the
+    statistics and the scaling in float32, rounded to `x`'s dtype, then times `weight`."""
+    xf = x.float()
+    # x * x, not x.pow(2): the same values; pow takes a slow generic path on a CPU
+    inverse_rms = torch.rsqrt((xf * xf).mean(-1, keepdim=True) + eps)
+    return (xf * inverse_rms).to(x.dtype).mul_(weight)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, the gated feed-forward's activation, written into `gate` (a fresh
+    product's output): no extra [.., d_ff] buffers."""
+    return F.silu(gate, inplace=True).mul_(up)
+
+
 class RMSNorm(nn.Module):
     """T5 layer norm: scale only, no mean subtraction, statistics in float32."""
+
+    fusable = ("low_precision",)     # xrec.model.fusion
+    low_precision = staticmethod(rms_norm_low_precision)
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -101,19 +120,21 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # the same arithmetic in one kernel, bit for bit on a CPU (docs/decisions.md, Roofline)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        xf = x.float()
-        # x * x, not x.pow(2): the same values; pow takes a slow generic path on a CPU
-        inverse_rms = torch.rsqrt((xf * xf).mean(-1, keepdim=True) + self.eps)
-        return (xf * inverse_rms).to(x.dtype).mul_(self.weight)
+        return self.low_precision(x, self.weight, self.eps)
 
 
-def gated_silu(x: torch.Tensor, gate: Linear, up: Linear, down: Linear) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)): the feed-forward of both families."""
-    hidden = F.silu(gate(x), inplace=True)         # in place: no extra [.., d_ff] buffers
-    return down(hidden.mul_(up(x)))
+class GatedSilu(nn.Module):
+    """Base of the gated-SiLU feed-forwards: `gated(x, gate, up, down)` is
+    down(silu(gate(x)) * up(x))."""
+
+    fusable = ("silu_mul",)          # xrec.model.fusion
+    silu_mul = staticmethod(silu_mul)
+
+    def gated(self, x: torch.Tensor, gate: nn.Module, up: nn.Module, down: nn.Module) -> torch.Tensor:
+        return down(self.silu_mul(gate(x), up(x)))
 
 
-class GatedFFN(nn.Module):
+class GatedFFN(GatedSilu):
     """wo(silu(gate(x)) * up(x)), Hugging Face T5 names: wi_0 = gate, wi_1 = up."""
 
     def __init__(self, d_model: int, d_ff: int):
@@ -123,10 +144,10 @@ class GatedFFN(nn.Module):
         self.wo = Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gated_silu(x, self.wi_0, self.wi_1, self.wo)
+        return self.gated(x, self.wi_0, self.wi_1, self.wo)
 
 
-class SwiGLU(nn.Module):
+class SwiGLU(GatedSilu):
     """The same feed-forward with Hugging Face Qwen names: gate_proj, up_proj, down_proj."""
 
     def __init__(self, d_model: int, d_ff: int):
@@ -136,7 +157,7 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gated_silu(x, self.gate_proj, self.up_proj, self.down_proj)
+        return self.gated(x, self.gate_proj, self.up_proj, self.down_proj)
 
 
 def relative_position_bucket(relative_position: torch.Tensor, *, bidirectional: bool,

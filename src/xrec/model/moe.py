@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xrec.config import ModelConfig
-from xrec.model.layers import Linear, SwiGLU, gated_silu
+from xrec.model.layers import GatedSilu, Linear, SwiGLU
 from xrec.config.qwen import QwenConfig
 
 
@@ -38,7 +38,7 @@ def run_experts(tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tenso
     return out
 
 
-class ExpertFFN(nn.Module):
+class ExpertFFN(GatedSilu):
     """One gated-SiLU expert, xllm names: w1 = gate, w3 = up, w2 = down."""
 
     def __init__(self, d_model: int, d_ff: int):
@@ -48,7 +48,7 @@ class ExpertFFN(nn.Module):
         self.w2 = Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gated_silu(x, self.w1, self.w3, self.w2)
+        return self.gated(x, self.w1, self.w3, self.w2)
 
 
 class MoE(nn.Module):

@@ -18,8 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from xrec.model.attention import (attend, attend_beams, merge_states, padding_mask, shared_stage,
-                                  unshared_stage)
+from xrec.model.attention import attend, attend_beams, padding_mask, shared_stage
 from xrec.model.family import RecModel
 from xrec.model.inputs import ModelInputs
 from xrec.model.kv import Allocate, BeamKV, PrefixKV
@@ -189,8 +188,8 @@ class QwenModel(RecModel):
             beam_k[:, :, slot] = k_new
             beam_v[:, :, slot] = v_new
             o_s, lse_s = shared_stage(q, prompt.k[index], prompt.v[index], pad, self.scale)
-            o_u, lse_u = unshared_stage(q, beam_k[:, :, :slot + 1], beam_v[:, :, :slot + 1], None,
-                                        self.scale)
-            hidden = hidden + layer.self_attn.o_proj(merge_states(o_s, lse_s, o_u, lse_u).flatten(2))
+            o_u, lse_u = self.unshared_stage(q, beam_k[:, :, :slot + 1], beam_v[:, :, :slot + 1],
+                                             None, self.scale)
+            hidden = hidden + layer.self_attn.o_proj(self.merge_states(o_s, lse_s, o_u, lse_u).flatten(2))
             hidden = layer.feed_forward(hidden)
         return self.model.norm(hidden)

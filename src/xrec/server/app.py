@@ -142,10 +142,12 @@ def create_app(engine: EngineFrontend | None, *, served_model_name: str | None =
 
 
 def _model_card(service: XrecService) -> dict:
-    """OpenAI's model object, plus `xrec`: the family and the dtype serving (once loaded)."""
+    """OpenAI's model object, plus `xrec`: the family, the dtype serving and whether its
+    element-wise chains run fused (once loaded)."""
     card = {"id": service.model_name, "object": "model", "created": service.created,
             "owned_by": "xrec"}
     engine = service.engine
     if engine is not None:
-        card["xrec"] = {"family": engine.family, "dtype": engine.dtype}
+        card["xrec"] = {"family": engine.family, "dtype": engine.dtype,
+                        "fused_kernels": engine.fused_kernels}
     return card
