@@ -3,8 +3,9 @@
 The real `RecStep.run` is profiled with torch.profiler twice:
 
 * without Python stacks: the step's wall time (a `bench::step` range around the call)
-  and the time of its top-level torch ops; host overhead = wall - ops (the Python and
-  dispatch time between ops);
+  and the time of its top-level torch ops, a `torch.compile`d chain counting as one op
+  (xrec.model.fusion); host overhead = wall - ops (the Python and dispatch time between
+  ops);
 * with Python stacks: each top-level op is attributed to a part of the step by the
   innermost xrec function on its stack (`encode`, `prepare_cross`, `decode_prefix`, or a
   decoder-only model's `prefill`; `decode_step` per round, `_candidates` per round, `select_top`; what `run` does itself
@@ -46,6 +47,8 @@ PARTS = {
 ROUND_BASE = {"decode_step": 1, "_candidates": 0}
 _FRAME = re.compile(r"xrec/(?:[\w/]+/)?(\w+\.py)\(\d+\): (\w+)$")
 MODES = ("allowed", "full")
+COMPILED_REGION = "Torch-Compiled Region"
+FUSED_LABEL = "fused chains (torch.compile)"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,7 +130,8 @@ def profile_step(step, batch, parts: dict[tuple[str, str], str] = PARTS, workspa
         elapsed = event.time_range.elapsed_us() / 1e3
         parts[part] = parts.get(part, 0.0) + elapsed
         by_op = top_ops.setdefault(part, {})
-        by_op[event.name] = by_op.get(event.name, 0.0) + elapsed
+        name = FUSED_LABEL if event.name.startswith(COMPILED_REGION) else event.name
+        by_op[name] = by_op.get(name, 0.0) + elapsed
     op_us = sum(e.time_range.elapsed_us() for e in ops)
     return {"profiled_wall_ms": wall_us / 1e3, "op_ms": op_us / 1e3,
             "host_ms": (wall_us - op_us) / 1e3, "host_fraction": 1.0 - op_us / wall_us,
@@ -155,7 +159,10 @@ def _profiled_ops(step, batch, workspace, with_stack: bool):
 
 
 def _is_op(event) -> bool:
-    return "::" in event.name and not event.name.startswith("bench::")
+    """A torch op, or a `torch.compile`d function (fused kernels: xrec.model.fusion), whose
+    kernels the profiler does not list one by one."""
+    name = event.name
+    return ("::" in name and not name.startswith("bench::")) or name.startswith(COMPILED_REGION)
 
 
 def _has_op_parent(event) -> bool:
