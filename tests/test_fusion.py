@@ -87,17 +87,18 @@ def test_a_fused_model_computes_what_the_eager_one_does(size):
         assert not torch.equal(a, torch.zeros_like(a))
 
 
-def test_should_fuse_follows_the_option_the_device_and_the_dtype(monkeypatch):
-    cpu = torch.device("cpu")
+def test_should_fuse_follows_the_option_the_device_the_dtype_and_the_width(monkeypatch):
+    cpu, wide, narrow = torch.device("cpu"), fusion.FUSED_MIN_WIDTH, fusion.FUSED_MIN_WIDTH // 4
     monkeypatch.setenv(fusion.FUSED_ENV, "1")
-    assert should_fuse(None, cpu, BF16) and should_fuse(None, cpu, torch.float16)
-    assert not should_fuse(None, cpu, torch.float32)         # its RMSNorm is one kernel already
-    assert not should_fuse(None, torch.device("cuda"), BF16)
-    assert should_fuse(True, cpu, torch.float32) and not should_fuse(False, cpu, BF16)
+    assert should_fuse(None, cpu, BF16, wide) and should_fuse(None, cpu, torch.float16, wide)
+    assert not should_fuse(None, cpu, torch.float32, wide)   # its RMSNorm is one kernel already
+    assert not should_fuse(None, cpu, BF16, narrow)          # slower than eager there
+    assert not should_fuse(None, torch.device("cuda"), BF16, wide)
+    assert should_fuse(True, cpu, torch.float32, narrow) and not should_fuse(False, cpu, BF16, wide)
     monkeypatch.setenv(fusion.FUSED_ENV, "off")
-    assert not should_fuse(None, cpu, BF16) and should_fuse(True, cpu, BF16)
+    assert not should_fuse(None, cpu, BF16, wide) and should_fuse(True, cpu, BF16, wide)
     with pytest.raises(ValueError, match="fused_kernels=true needs a CPU model, got cuda"):
-        should_fuse(True, torch.device("cuda"), BF16)
+        should_fuse(True, torch.device("cuda"), BF16, wide)
 
 
 def test_an_engine_fuses_when_asked_and_says_so():
@@ -107,10 +108,24 @@ def test_an_engine_fuses_when_asked_and_says_so():
             Engine.from_random("tiny", num_items=200, dtype="bfloat16") as eager:
         assert fused.fused_kernels and fused.describe()["fused_kernels"] and is_fused(fused.model)
         assert not eager.fused_kernels and not is_fused(eager.model)   # the suite's default: off
+        compiles = _compiles()
         for a, b in zip(fused.recommend(REQUESTS), eager.recommend(REQUESTS)):
             assert len(a.results) == len(b.results) == 4
             torch.testing.assert_close([r.score for r in a.results], [r.score for r in b.results],
                                        rtol=0, atol=0.05)
+        # batches of other shapes, in the engine's pipeline thread: the warm-up at load
+        # compiled every variant they need
+        for requests in ([RecRequest(token_ids=list(range(3, 60)), beam_width=32)] * 3,
+                         [RecRequest(token_ids=list(range(3, 20)), beam_width=16)],
+                         [RecRequest(token_ids=[7], beam_width=1)] * 2,
+                         [RecRequest(token_ids=[4, 8], beam_width=1)]):
+            assert all(r.results for r in fused.recommend(requests))
+        assert _compiles() == compiles
+
+
+def _compiles() -> int:
+    """Functions compiled by dynamo so far in this process (every thread)."""
+    return torch._dynamo.utils.counters["frames"]["total"]
 
 
 def test_where_compiling_fails_the_engine_runs_eagerly_or_raises_when_fusion_was_required():
@@ -119,7 +134,9 @@ def test_where_compiling_fails_the_engine_runs_eagerly_or_raises_when_fusion_was
     script = textwrap.dedent("""
         import logging
         from xrec import Engine, RecRequest
+        from xrec.model import fusion
         logging.basicConfig(level=logging.WARNING)
+        fusion.FUSED_MIN_WIDTH = 1   # "auto" would fuse this narrow model
         with Engine.from_random("tiny", num_items=200, dtype="bfloat16") as engine:
             answer = engine.recommend([RecRequest(token_ids=[5, 17, 9], beam_width=4)])[0]
             print("auto", engine.fused_kernels, len(answer.results))

@@ -322,7 +322,7 @@ def _fused_kernels(options: EngineOptions, model: RecModel) -> bool:
     chains compiled, and warmed up on synthetic batches so that no request pays a compile.
     Where compiling fails (no C++ compiler, say), None leaves them eager with a warning and
     true raises."""
-    if not should_fuse(options.fused_kernels, model.device, model.dtype):
+    if not should_fuse(options.fused_kernels, model.device, model.dtype, model.config.d_model):
         return False
     start = time.perf_counter()
     fuse(model)
