@@ -101,11 +101,17 @@ def test_should_fuse_follows_the_option_the_device_the_dtype_and_the_width(monke
         should_fuse(True, torch.device("cuda"), BF16, wide)
 
 
-def test_an_engine_fuses_when_asked_and_says_so():
+@pytest.fixture(scope="module")
+def fused():
+    """A fused bfloat16 engine, shared: its load compiles every variant (~20 s)."""
+    with Engine.from_random("tiny", num_items=200, dtype="bfloat16", fused_kernels=True) as engine:
+        yield engine
+
+
+def test_an_engine_fuses_when_asked_and_says_so(fused):
     with pytest.raises(ValueError, match="option fused_kernels: got 'yes', allowed: true, false"):
         Engine.from_random("tiny", num_items=200, fused_kernels="yes")
-    with Engine.from_random("tiny", num_items=200, dtype="bfloat16", fused_kernels=True) as fused, \
-            Engine.from_random("tiny", num_items=200, dtype="bfloat16") as eager:
+    with Engine.from_random("tiny", num_items=200, dtype="bfloat16") as eager:
         assert fused.fused_kernels and fused.describe()["fused_kernels"] and is_fused(fused.model)
         assert not eager.fused_kernels and not is_fused(eager.model)   # the suite's default: off
         compiles = _compiles()
@@ -156,7 +162,7 @@ def test_where_compiling_fails_the_engine_runs_eagerly_or_raises_when_fusion_was
     assert len(warnings) == 1, done.stderr[-3000:]
 
 
-def test_the_breakdown_counts_a_fused_chain_as_an_op_not_as_host_time():
+def test_the_breakdown_counts_a_fused_chain_as_an_op_not_as_host_time(fused):
     """`xrec bench breakdown`'s profile: a compiled chain's kernels are one event the profiler
     does not name as an op; its time goes to the part that ran it."""
     from xrec.api_types import validate
@@ -164,13 +170,11 @@ def test_the_breakdown_counts_a_fused_chain_as_an_op_not_as_host_time():
     from xrec.search.batch import prepare_batch
     from xrec.search.workspace_buffers import Workspace
 
-    with Engine.from_random("tiny", num_items=200, dtype="bfloat16", fused_kernels=True) as engine:
-        batch = prepare_batch([validate(r, engine.limits) for r in REQUESTS],
-                              engine.model.config.d_model)
-        workspace = Workspace(engine.model.device)
-        for _ in range(2):  # as the bench warms up: a first run may still compile a shape
-            engine.step.run(batch, workspace)
-        profile = profile_step(engine.step, batch, workspace=workspace)
+    batch = prepare_batch([validate(r, fused.limits) for r in REQUESTS], fused.model.config.d_model)
+    workspace = Workspace(fused.model.device)
+    for _ in range(2):  # warm-up runs, as the bench does before it profiles
+        fused.step.run(batch, workspace)
+    profile = profile_step(fused.step, batch, workspace=workspace)
     assert FUSED_LABEL in profile["top_ops_ms"]["encoder"]
     assert profile["part_times_from"] == "plain run"
     assert sum(profile["parts_ms"].values()) == pytest.approx(profile["op_ms"], rel=0.05)
