@@ -164,12 +164,14 @@ def _train_rate(setting: dict, adaptive: bool) -> float:
     from xrec.engine.threads import training_threads
     from xrec.realdata.train.models import TrainableModel, model_config
     from xrec.realdata.train.options import TrainOptions
+    from xrec.realdata.train.precision import resolve_train_dtype
 
     o = TrainOptions()
     vocab = 3 * 256 + 8        # three 256-code levels and a few special tokens
     model = TrainableModel.create(model_config(o.family, vocab, o.hidden, o.layers, o.heads,
                                                3 * o.max_items + 8, 1), o.seed,
-                                  lookahead=o.lookahead)
+                                  lookahead=o.lookahead,
+                                  dtype=resolve_train_dtype(o.dtype, o.family))
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr)
     rng = np.random.default_rng(setting["seed"])
     batch = [rng.integers(2, vocab, 3 * o.max_items + 1) for _ in range(o.batch_size)]

@@ -12,6 +12,8 @@ import argparse
 from dataclasses import fields
 from pathlib import Path
 
+from xrec.realdata.train.options import FAMILIES, TRAIN_DTYPES
+
 __all__ = ["add_train_parser", "run_dir"]
 
 _HELP = {
@@ -39,7 +41,13 @@ _HELP = {
     "seed": "random seed",
     "final": "the final fit, once validation has chosen the options: train all --epochs on "
              "every item but the test one (the validation item too), without validation",
+    "dtype": "precision of the forward pass: bfloat16 is mixed precision (float32 weights, "
+             "compiled at the first step); auto: bfloat16 where the CPU computes it natively "
+             "and the family validated in it, else float32",
 }
+
+
+_CHOICES = {"family": FAMILIES, "dtype": TRAIN_DTYPES}
 
 
 def run_dir(dataset: str) -> Path:
@@ -65,9 +73,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                        "(default: $XREC_HOME/runs/<dataset>/<family>)")
     for f in fields(TrainOptions):
         flag = "--" + f.name.replace("_", "-")
-        if f.name == "family":
-            train.add_argument(flag, choices=("qwen3", "onerec"), default=f.default,
-                               help=_HELP[f.name])
+        if f.name in _CHOICES:
+            train.add_argument(flag, choices=_CHOICES[f.name], default=f.default,
+                               help=f"{_HELP[f.name]} (default {f.default})")
         elif isinstance(f.default, bool):
             train.add_argument(flag, action="store_true", help=_HELP[f.name])
         elif f.default is None:     # the family's default

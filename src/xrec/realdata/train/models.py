@@ -25,6 +25,7 @@ from xrec.config.qwen import QwenConfig
 from xrec.realdata.train.options import FAMILIES
 from xrec.realdata.sequences import IGNORE, collate
 from xrec.realdata.train.lookahead import LookaheadHeads
+from xrec.realdata.train.precision import autocast, compiled_pass, use_float32_attention
 from xrec.realdata.train.repeats import seen_unlikelihood
 
 __all__ = ["TrainableModel", "model_config", "seq2seq_inputs"]
@@ -64,19 +65,21 @@ class TrainableModel:
     label_smoothing: float = 0.0     # of the cross-entropy, over the whole vocabulary
     lookahead: float = 0.0           # weight of the `LookaheadHeads` loss
     heads: LookaheadHeads | None = None
+    dtype: torch.dtype = torch.float32   # of the forward pass (`precision.py`)
     _hidden: torch.Tensor | None = None   # the last forward's final states, for `heads`
 
     @classmethod
     def create(cls, config: ModelConfig | QwenConfig, seed: int, dropout: float = 0.0,
                seen_unlikelihood: float = 0.0, label_smoothing: float = 0.0,
-               lookahead: float = 0.0) -> TrainableModel:
+               lookahead: float = 0.0, dtype: torch.dtype = torch.float32) -> TrainableModel:
         """A freshly initialised model; `dropout`: on the embeddings and on each attention and
         feed-forward output before its residual add (T5's own `dropout_rate`, which also drops
         attention weights; hooks on Qwen3, which has none). Training only: the written
         directory has no dropout to turn off. `seen_unlikelihood`: the weight of the term that
         pushes down items the window already holds (`repeats.py`); `label_smoothing`: of the
         cross-entropy, as `F.cross_entropy` takes it; `lookahead`: the weight of the
-        training-only look-ahead heads (`lookahead.py`)."""
+        training-only look-ahead heads (`lookahead.py`); `dtype`: bfloat16 trains in mixed
+        precision, compiled (`precision.py`; the weights stay float32)."""
         torch.manual_seed(seed)
         if config.is_encoder_decoder:
             from transformers import T5ForConditionalGeneration
@@ -91,17 +94,30 @@ class TrainableModel:
             hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields))
             if dropout:
                 _residual_dropout(hf, dropout)
-        model = cls(config, hf.float().train(), seen_unlikelihood, label_smoothing)
+        model = cls(config, hf.float().train(), seen_unlikelihood, label_smoothing, dtype=dtype)
         if lookahead:
             model.lookahead = lookahead
             model.heads = LookaheadHeads(hf.config.hidden_size)
             decoder = hf.decoder if config.is_encoder_decoder else hf.model
             decoder.register_forward_hook(
                 lambda module, args, out: setattr(model, "_hidden", out.last_hidden_state))
+        if dtype == torch.bfloat16:
+            model._compile()
+            return model
         for module in (hf, model.heads):
             if module is not None:
                 _linears_as_xrec(module)
         return model
+
+    def _compile(self) -> None:
+        """Mixed precision's forward passes: float32 attention, each pass compiled."""
+        if not self.config.is_encoder_decoder:
+            use_float32_attention(self.hf)   # T5 computes its own attention, in products
+        passes = [self.hf, self.hf.encoder] if self.config.is_encoder_decoder else [self.hf]
+        for module in passes:
+            module.forward = compiled_pass(module.forward)
+        if self.heads is not None:
+            self.heads.loss = compiled_pass(self.heads.loss)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """Everything the optimizer steps: the model's and the training-only heads'."""
@@ -143,6 +159,10 @@ class TrainableModel:
     def loss(self, batch: list[np.ndarray]) -> tuple[torch.Tensor, int]:
         """Mean cross-entropy of a batch of training sequences (label-smoothed and plus the
         weighted seen-item unlikelihood, when asked) and its target count."""
+        with autocast(self.dtype):
+            return self._loss(batch)
+
+    def _loss(self, batch: list[np.ndarray]) -> tuple[torch.Tensor, int]:
         out, labels = self.forward(batch)
         targets = int((labels != IGNORE).sum())
         loss = out.loss

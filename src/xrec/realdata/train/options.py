@@ -7,6 +7,7 @@ from dataclasses import dataclass
 __all__ = ["FAMILIES", "FAMILY_DEFAULTS", "TrainOptions"]
 
 FAMILIES = ("qwen3", "onerec")
+TRAIN_DTYPES = ("auto", "float32", "bfloat16")
 # What an option left at None becomes (docs/decisions.md, Real data): the encoder-decoder
 # costs ~2.3x the decoder-only per epoch and learns more per step from smaller batches, at
 # half the rate it had until 2026-12-03 (all ML-1M validation users: HR@10 0.2166 at 5e-4
@@ -45,6 +46,7 @@ class TrainOptions:
     max_minutes: float = 0.0       # stop after the epoch that passes this (0: no limit)
     final: bool = False            # all `epochs` on every item but the test one, no validation
     seed: int = 0
+    dtype: str = "auto"            # of the forward pass: auto | float32 | bfloat16 (precision.py)
 
     def __post_init__(self) -> None:
         for name, value in FAMILY_DEFAULTS.get(self.family, {}).items():
@@ -71,5 +73,7 @@ class TrainOptions:
             raise ValueError(f"lookahead: got {self.lookahead}, expected >= 0")
         if not self.lr > 0:
             raise ValueError(f"lr: got {self.lr}, expected > 0")
+        if self.dtype not in TRAIN_DTYPES:
+            raise ValueError(f"dtype: got {self.dtype!r}, allowed: {', '.join(TRAIN_DTYPES)}")
         if self.hidden % self.heads:
             raise ValueError(f"hidden {self.hidden} is not a multiple of heads {self.heads}")

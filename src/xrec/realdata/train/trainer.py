@@ -25,10 +25,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from xrec.engine.threads import FollowFreeCores, training_threads
+from xrec.model.dtype import dtype_name
 from xrec.realdata.data import DataError, Split
 from xrec.realdata.train.average import WeightAverage
 from xrec.realdata.train.models import TrainableModel, batches, model_config
 from xrec.realdata.train.options import TrainOptions
+from xrec.realdata.train.precision import resolve_train_dtype
 from xrec.realdata.sequences import SidVocabulary, causal_windows, seq2seq_windows
 
 __all__ = ["TrainOptions", "train"]
@@ -67,9 +69,10 @@ class _Run:
             split = split.without_validation()
         self.split, self.vocab, self.config, self.options = split, vocab, config, options
         self.work, self.log, self.threads = work, log, threads
+        self.dtype = resolve_train_dtype(options.dtype, options.family)
         self.model = TrainableModel.create(config, options.seed, options.dropout,
                                             options.seen_unlikelihood, options.label_smoothing,
-                                            options.lookahead)
+                                            options.lookahead, self.dtype)
         params = self.model.parameters()
         decay = [p for p in params if p.dim() >= 2]
         rest = [p for p in params if p.dim() < 2]
@@ -172,6 +175,9 @@ class _Run:
         from tqdm import tqdm
 
         o = self.options
+        if self.dtype == torch.bfloat16:
+            self.log("training in bfloat16 (mixed precision: float32 weights; the forward "
+                     "pass compiles at the first steps)")
         while self.epoch < o.epochs and self.stale < o.patience and not self.out_of_time():
             started = time.perf_counter()
             rng = np.random.default_rng([o.seed, self.epoch])
@@ -238,7 +244,8 @@ class _Run:
         return float(ranking_metrics(ranked, targets, ks=(10,))["hr@10"])
 
     def report(self) -> dict:
-        return {"options": asdict(self.options), "config": self.config.to_dict(),
+        return {"options": asdict(self.options), "dtype": dtype_name(self.dtype),
+                "config": self.config.to_dict(),
                 "sid_dir": str(self.vocab.directory), "dataset": self.split.data.name,
                 "epochs_run": self.epoch, "best": self.best, "history": self.history,
                 "train_minutes": round(self.elapsed / 60, 2),
