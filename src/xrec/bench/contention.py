@@ -164,7 +164,7 @@ def _train_rate(setting: dict, adaptive: bool) -> float:
     from xrec.engine.threads import training_threads
     from xrec.realdata.train.models import TrainableModel, model_config
     from xrec.realdata.train.options import TrainOptions
-    from xrec.realdata.train.precision import resolve_train_dtype
+    from xrec.realdata.train.precision import compile_settings, resolve_train_dtype
 
     o = TrainOptions()
     vocab = 3 * 256 + 8        # three 256-code levels and a few special tokens
@@ -175,7 +175,7 @@ def _train_rate(setting: dict, adaptive: bool) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr)
     rng = np.random.default_rng(setting["seed"])
     batch = [rng.integers(2, vocab, 3 * o.max_items + 1) for _ in range(o.batch_size)]
-    with training_threads(setting["threads"], adaptive) as cores:
+    with training_threads(setting["threads"], adaptive) as cores, compile_settings():
         def step():
             cores.follow()
             loss, _ = model.loss(batch)

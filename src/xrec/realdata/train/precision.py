@@ -22,12 +22,18 @@ on ML-1M validation (`AUTO_BF16`), float32 elsewhere.
 
 from __future__ import annotations
 
-import torch
+import contextlib
+import functools
+from collections.abc import Iterator
 
+import torch
+from torch.fx.experimental import _config as fx_config
+
+from xrec.model.fusion import RECOMPILE_LIMIT
 from xrec.realdata.train.options import TRAIN_DTYPES
 
-__all__ = ["AUTO_BF16", "FLOAT32_SDPA", "autocast", "compiled_pass", "resolve_train_dtype",
-           "use_float32_attention"]
+__all__ = ["AUTO_BF16", "FLOAT32_SDPA", "autocast", "compile_settings", "compiled_pass",
+           "resolve_train_dtype", "use_float32_attention"]
 
 # families whose bfloat16 training validated as well as float32 on ML-1M (decisions.md)
 AUTO_BF16 = {"qwen3": True, "onerec": False}
@@ -53,8 +59,30 @@ def autocast(dtype: torch.dtype):
 def compiled_pass(fn):
     """`fn` (a forward pass or a loss) compiled for training: dynamic shapes (windows of
     every length), and OpenMP teams sized when a kernel runs, so that the compiled loops
-    follow the thread count `FollowFreeCores` sets under contention as the products do."""
-    return torch.compile(fn, dynamic=True, options={"cpp.dynamic_threads": True})
+    follow the thread count `FollowFreeCores` sets under contention as the products do.
+    dynamo guards on the thread count (and specialises batches of one), so the first step
+    at a new count compiles again: a variant per count (`compile_settings`)."""
+    compiled_fn = torch.compile(fn, dynamic=True, options={"cpp.dynamic_threads": True})
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with compile_settings():
+            return compiled_fn(*args, **kwargs)
+
+    return run
+
+
+@contextlib.contextmanager
+def compile_settings() -> Iterator[None]:
+    """dynamo's settings for training's compiles, whatever the thread had (they are per
+    thread): a variant per thread count up to `RECOMPILE_LIMIT`, and the default shape
+    rules. A thread that fused a serving model keeps `fusion.configure_this_thread`'s rules
+    (no duck shapes, size-oblivious ones), and under them Inductor's training graphs
+    asserted on a stride. The trainer runs its steps, backward passes included (Inductor
+    compiles a backward at its first call), inside it."""
+    with (torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT),
+          fx_config.patch(use_duck_shape=True, backed_size_oblivious=False)):
+        yield
 
 
 def _float32_sdpa(module, query, key, value, attention_mask, **kwargs):

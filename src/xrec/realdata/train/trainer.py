@@ -30,7 +30,7 @@ from xrec.realdata.data import DataError, Split
 from xrec.realdata.train.average import WeightAverage
 from xrec.realdata.train.models import TrainableModel, batches, model_config
 from xrec.realdata.train.options import TrainOptions
-from xrec.realdata.train.precision import resolve_train_dtype
+from xrec.realdata.train.precision import compile_settings, resolve_train_dtype
 from xrec.realdata.sequences import SidVocabulary, causal_windows, seq2seq_windows
 
 __all__ = ["TrainOptions", "train"]
@@ -53,7 +53,7 @@ def train(split: Split, sid_dir: str | Path, out_dir: str | Path, options: Train
                           options.heads, 3 * options.max_items + 8, vocab.bos_id)
     work = out_dir.with_name(out_dir.name + ".partial")
     run = _Run(split, vocab, config, options, work, log, threads)
-    with training_threads(threads) as cores:
+    with training_threads(threads) as cores, compile_settings():
         run.resume_or_start()
         run.fit(progress, cores)
     report = run.report()
