@@ -19,6 +19,11 @@ FAMILY_DEFAULTS = {"qwen3": {"epochs": 12, "batch_size": 32, "lr": 3e-3, "lookah
                    "onerec": {"epochs": 5, "batch_size": 8, "lr": 5e-4, "lookahead": 0.0}}
 
 
+def check_train_dtype(name: str) -> None:
+    if name not in TRAIN_DTYPES:
+        raise ValueError(f"dtype: got {name!r}, allowed: {', '.join(TRAIN_DTYPES)}")
+
+
 @dataclass(frozen=True)
 class TrainOptions:
     """Defaults sized to train ML-1M on a small CPU machine (docs/decisions.md, Real data);
@@ -73,7 +78,6 @@ class TrainOptions:
             raise ValueError(f"lookahead: got {self.lookahead}, expected >= 0")
         if not self.lr > 0:
             raise ValueError(f"lr: got {self.lr}, expected > 0")
-        if self.dtype not in TRAIN_DTYPES:
-            raise ValueError(f"dtype: got {self.dtype!r}, allowed: {', '.join(TRAIN_DTYPES)}")
+        check_train_dtype(self.dtype)
         if self.hidden % self.heads:
             raise ValueError(f"hidden {self.hidden} is not a multiple of heads {self.heads}")

@@ -30,7 +30,7 @@ import torch
 from torch.fx.experimental import _config as fx_config
 
 from xrec.model.fusion import RECOMPILE_LIMIT
-from xrec.realdata.train.options import TRAIN_DTYPES
+from xrec.realdata.train.options import check_train_dtype
 
 __all__ = ["AUTO_BF16", "FLOAT32_SDPA", "autocast", "compile_settings", "compiled_pass",
            "resolve_train_dtype", "use_float32_attention"]
@@ -45,8 +45,7 @@ def resolve_train_dtype(name: str, family: str, cpuinfo: str | None = None) -> t
     /proc/cpuinfo text to read instead of this machine's (tests)."""
     from xrec.model.dtype import resolve_dtype
 
-    if name not in TRAIN_DTYPES:
-        raise ValueError(f"dtype: got {name!r}, allowed: {', '.join(TRAIN_DTYPES)}")
+    check_train_dtype(name)
     return resolve_dtype(name, "cpu", cpu_auto_bf16=AUTO_BF16.get(family, False),
                          cpuinfo=cpuinfo)
 
