@@ -123,8 +123,8 @@ _STEADY_STATE_FAULTS = """
 import resource, sys, torch
 from xrec import Engine
 
-def cycle():                                    # a step's pattern: big blocks, freed at once
-    big, small = torch.ones(12 << 20), torch.ones(3 << 20)   # 48 MB and 12 MB
+def cycle():                          # a step's activation over glibc's ceiling, freed at once
+    torch.ones(12 << 20)                 # 48 MB
 
 def faults() -> int:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -144,14 +144,16 @@ engine.close()
 def test_cpu_engine_keeps_freed_host_memory_mapped_for_reuse(model_dir):
     """Without it glibc maps a 48 MB block afresh, page by page, on every allocation (it
     is over its 32 MiB mmap ceiling); after a CPU engine starts, freed blocks are reused.
-    Each case in a fresh process: malloc's state is process-wide."""
+    Each case in a fresh process: malloc's state is process-wide. Blocks under the ceiling
+    are left out: glibc's own dynamic threshold may or may not adopt them (a 12 MB block
+    was faulted afresh each cycle on one CI machine, retained on others)."""
     def steady_state_faults(retain: bool) -> int:
         out = subprocess.run([sys.executable, "-c", _STEADY_STATE_FAULTS, str(model_dir),
                               "1" if retain else "0"], capture_output=True, text=True,
                              timeout=WAIT_S, check=True)
         return int(out.stdout.split()[-1])
 
-    assert steady_state_faults(retain=False) > 10_000   # ~15,000 pages mapped per cycle
+    assert steady_state_faults(retain=False) > 10_000   # 12,288 pages mapped per cycle
     assert steady_state_faults(retain=True) < 1000
 
 
