@@ -32,21 +32,26 @@ import time
 # (m, k, n): square, and a few thousand positions through D -> 4D / 4D -> D projections
 SHAPES = ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 1024, 4096), (4096, 4096, 1024),
           (4096, 4096, 4096))
-QUICK_SHAPES = ((1024, 1024, 1024),)
+QUICK_SHAPES = ((512, 512, 512),)
 # the interleaved reference's shape: the best of the shapes up to this many FLOPs (the
 # 4096³ product would add seconds around every timed step)
 REFERENCE_MAX_FLOPS = 2.0 * 4096 * 1024 * 4096
 
 
 # the libraries a product is timed through: ATen's `torch.mm` everywhere, oneDNN's linear
-# on a CPU
+# on a CPU (in bfloat16 only where the CPU has it natively: on an AVX2-only CPU oneDNN
+# builds no bfloat16 linear at all, "could not create a primitive descriptor")
 LIBRARIES = ("aten", "onednn")
 
 
-def libraries(device: str) -> tuple[str, ...]:
+def libraries(device: str, dtype_name: str) -> tuple[str, ...]:
     import torch
 
-    return LIBRARIES if device == "cpu" and torch.backends.mkldnn.is_available() else ("aten",)
+    from xrec.model.dtype import native_bf16
+
+    has_onednn = device == "cpu" and torch.backends.mkldnn.is_available() and (
+        dtype_name != "bfloat16" or native_bf16(device))
+    return LIBRARIES if has_onednn else ("aten",)
 
 
 class Gemm:
@@ -103,7 +108,7 @@ def measure(device: str, dtype_name: str, threads: int | None, repeats: int = 7,
     best_library: dict[str, str] = {}
     for shape in shapes:
         key = "x".join(map(str, shape))
-        for library in libraries(device):
+        for library in libraries(device, dtype_name):
             gemm = Gemm(shape, device, dtype_name, library)
             gemm.seconds(), gemm.seconds()
             times: list[float] = []
@@ -176,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dtypes", default=None, help="comma-separated (default: float32, and "
                         "bfloat16 where the device has it natively)")
-    parser.add_argument("--quick", action="store_true", help="the 1024³ product only")
+    parser.add_argument("--quick", action="store_true", help="the 512³ product only")
     args = parser.parse_args(argv)
     dtypes = args.dtypes.split(",") if args.dtypes else default_dtypes(args.device)
     shapes = QUICK_SHAPES if args.quick else SHAPES
