@@ -71,6 +71,27 @@ def test_encoder_decoder_heads_predict_inside_each_target_block():
     assert got == pytest.approx(expected, rel=1e-4)
 
 
+def test_a_head_without_targets_adds_nothing_and_the_loss_traces_as_one_graph():
+    """A head whose every target is missing adds 0 (not a NaN mean of nothing), and the
+    loss has no branch on the data: dynamo traces it as one graph (it skipped the whole
+    frame until 2026-12-05), so it can be compiled once measured to pay."""
+    from xrec.realdata.train.lookahead import LookaheadHeads
+
+    heads = LookaheadHeads(8)
+    output = torch.nn.Linear(8, VOCAB)
+    hidden = torch.randn(2, 5, 8)
+    nothing = torch.full((2, 5), IGNORE)
+    assert float(heads.loss(hidden, nothing, output).detach()) == 0.0
+    some = nothing.clone()
+    some[0, 2] = 4                                       # head 2 from position 1, head 3 from 0
+    logits = output(heads.norm[0](hidden[:, 1]))[0]      # projections start at zero
+    torch.testing.assert_close(heads.loss(hidden, some, output),
+                               -logits.log_softmax(-1)[4]
+                               - output(heads.norm[1](hidden[:, 0]))[0].log_softmax(-1)[4])
+    explained = torch._dynamo.explain(heads.loss)(hidden, some, output)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+
+
 @pytest.mark.parametrize("family", ["qwen3", "onerec"])
 def test_heads_are_trained_but_not_part_of_the_model(family):
     model = _model(1.0, family)

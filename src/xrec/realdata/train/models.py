@@ -110,14 +110,16 @@ class TrainableModel:
         return model
 
     def _compile(self) -> None:
-        """Mixed precision's forward passes: float32 attention, each pass compiled."""
+        """Mixed precision's forward passes: float32 attention, each pass compiled. The
+        look-ahead heads' loss stays eager: until 2026-12-05 dynamo skipped it (a branch on
+        its targets), so every measured bfloat16 step ran it eagerly, and compiling it costs
+        about 50 s more at a cold start on 2 cores for a gain not yet measured on a CPU with
+        native bfloat16 (docs/decisions.md, "Training in bfloat16")."""
         if not self.config.is_encoder_decoder:
             use_float32_attention(self.hf)   # T5 computes its own attention, in products
         passes = [self.hf, self.hf.encoder] if self.config.is_encoder_decoder else [self.hf]
         for module in passes:
             module.forward = compiled_pass(module.forward)
-        if self.heads is not None:
-            self.heads.loss = compiled_pass(self.heads.loss)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """Everything the optimizer steps: the model's and the training-only heads'."""
