@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from xrec.realdata.train.models import TrainableModel, model_config
 from xrec.realdata.sequences import IGNORE
+from xrec.realdata.train.lookahead import LookaheadHeads
+from xrec.realdata.train.models import TrainableModel, model_config
 from xrec.realdata.train.options import TrainOptions
 
 VOCAB = 12
@@ -75,8 +76,6 @@ def test_a_head_without_targets_adds_nothing_and_the_loss_traces_as_one_graph():
     """A head whose every target is missing adds 0 (not a NaN mean of nothing), and the
     loss has no branch on the data: dynamo traces it as one graph (it skipped the whole
     frame until 2026-12-05), so it can be compiled once measured to pay."""
-    from xrec.realdata.train.lookahead import LookaheadHeads
-
     heads = LookaheadHeads(8)
     output = torch.nn.Linear(8, VOCAB)
     hidden = torch.randn(2, 5, 8)
@@ -84,10 +83,9 @@ def test_a_head_without_targets_adds_nothing_and_the_loss_traces_as_one_graph():
     assert float(heads.loss(hidden, nothing, output).detach()) == 0.0
     some = nothing.clone()
     some[0, 2] = 4                                       # head 2 from position 1, head 3 from 0
-    logits = output(heads.norm[0](hidden[:, 1]))[0]      # projections start at zero
-    torch.testing.assert_close(heads.loss(hidden, some, output),
-                               -logits.log_softmax(-1)[4]
-                               - output(heads.norm[1](hidden[:, 0]))[0].log_softmax(-1)[4])
+    # projections start at zero: head d scores position t's normed state
+    second, third = (output(heads.norm[i](hidden[0, t])).log_softmax(-1) for i, t in ((0, 1), (1, 0)))
+    torch.testing.assert_close(heads.loss(hidden, some, output), -second[4] - third[4])
     explained = torch._dynamo.explain(heads.loss)(hidden, some, output)
     assert explained.graph_break_count == 0 and explained.graph_count == 1
 
