@@ -77,9 +77,12 @@ def compile_settings() -> Iterator[None]:
     thread): a variant per thread count up to `RECOMPILE_LIMIT`, and the default shape
     rules. A thread that fused a serving model keeps `fusion.configure_this_thread`'s rules
     (no duck shapes, size-oblivious ones), and under them Inductor's training graphs
-    asserted on a stride. The trainer runs its steps, backward passes included (Inductor
+    asserted on a stride. Python floats (the modules' scales, dropout rates, epsilons; all
+    constant in a run) are specialised: traced as symbols under dynamic shapes, they made
+    dynamo trace every pass twice (a restart to turn them into tensors), ~10 s of a cold
+    compile on 2 cores. The trainer runs its steps, backward passes included (Inductor
     compiles a backward at its first call), inside it."""
-    with (torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT),
+    with (torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, specialize_float=True),
           fx_config.patch(use_duck_shape=True, backed_size_oblivious=False)):
         yield
 
