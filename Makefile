@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PORT   ?= 8000
+# pytest workers of `make test` (pytest-xdist; each runs whole test files, one intra-op thread
+# each unless OMP_NUM_THREADS says otherwise: tests/conftest.py)
+TEST_WORKERS ?= 2
 
 .PHONY: setup serve test lint bench mutate clean
 
@@ -24,7 +27,7 @@ serve: $(VENV)/.installed-serve
 	$(VENV)/bin/xrec serve --port $(PORT) --verbose
 
 test: lint $(VENV)/.installed-test
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The architecture contracts ([tool.importlinter]) and the lint rules ([tool.ruff]); `make test`
 # runs both first, and either failing fails it.

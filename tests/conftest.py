@@ -25,6 +25,15 @@ os.environ.setdefault("XREC_CPU_AUTO_DTYPE", "float32")
 # Thread counts stay as configured whatever the machine's load (xrec.engine.threads), so that
 # results do not depend on what else the machine runs; the tests of adaptive threads turn it on.
 os.environ.setdefault("XREC_ADAPTIVE_THREADS", "0")
+# `make test` runs the suite on 2 pytest-xdist workers (whole files each): a worker computes
+# on one intra-op thread (children inherit it) unless OMP_NUM_THREADS was set. Two workers of
+# 2 threads on 2 cores spun their OpenMP teams against each other: 538 s against 442 s for
+# the cold suite (docs/decisions.md, "The suite on two workers"). Tests about threads name
+# their counts.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    torch.set_num_threads(1)
 # Element-wise chains run eagerly unless a test asks for fused ones (option fused_kernels):
 # compiling them costs seconds per engine (xrec.model.fusion).
 os.environ.setdefault("XREC_FUSED_KERNELS", "0")

@@ -107,16 +107,21 @@ def test_pipeline_threads_leave_other_threads_thread_counts_alone(model_dir):
     """Each of two pipelines runs on half the threads; nothing else in the process does
     (torch.set_num_threads would have made every new thread single-threaded)."""
     seen: list[int] = []
-    before = in_thread(torch.get_num_threads)
-    with Engine.from_pretrained(model_dir, isolation="thread",
-                                device="cpu", max_concurrency=2, num_threads=2) \
-            as engine:
-        engine.executor.fault = lambda batch: seen.append(torch.get_num_threads())
-        _answers(engine, _requests(2))
-        elsewhere = in_thread(torch.get_num_threads)
-        fresh_op = in_thread(lambda: (torch.ones(4).add_(1), torch.get_num_threads())[1])
+    default = torch.get_num_threads()
+    torch.set_num_threads(3)     # not 1 (a worker's count in `make test`): a change shows
+    try:
+        before = in_thread(torch.get_num_threads)
+        with Engine.from_pretrained(model_dir, isolation="thread",
+                                    device="cpu", max_concurrency=2, num_threads=2) \
+                as engine:
+            engine.executor.fault = lambda batch: seen.append(torch.get_num_threads())
+            _answers(engine, _requests(2))
+            elsewhere = in_thread(torch.get_num_threads)
+            fresh_op = in_thread(lambda: (torch.ones(4).add_(1), torch.get_num_threads())[1])
+    finally:
+        torch.set_num_threads(default)
     assert seen and set(seen) == {1}
-    assert elsewhere == fresh_op == before
+    assert elsewhere == fresh_op == before == 3
 
 
 _STEADY_STATE_FAULTS = """
