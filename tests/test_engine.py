@@ -7,6 +7,7 @@ import gc
 import os
 import platform
 import queue
+import statistics
 import subprocess
 import sys
 import threading
@@ -140,7 +141,7 @@ engine = Engine.from_pretrained(sys.argv[1], isolation="thread",
                                 device="cpu", retain_host_memory=sys.argv[2] == "1")
 for _ in range(4):
     cycle()
-print(max(faults() for _ in range(3)))
+print(*(faults() for _ in range(5)))
 engine.close()
 """
 
@@ -151,15 +152,20 @@ def test_cpu_engine_keeps_freed_host_memory_mapped_for_reuse(model_dir):
     is over its 32 MiB mmap ceiling); after a CPU engine starts, freed blocks are reused.
     Each case in a fresh process: malloc's state is process-wide. Blocks under the ceiling
     are left out: glibc's own dynamic threshold may or may not adopt them (a 12 MB block
-    was faulted afresh each cycle on one CI machine, retained on others)."""
-    def steady_state_faults(retain: bool) -> int:
+    was faulted afresh each cycle on one CI machine, retained on others). The steady state
+    is the median of five cycles, not their maximum: a cycle that grows or trims the heap
+    once is not the steady state, while memory that is not retained faults on every cycle.
+    (With the maximum of three, one CI machine running the suite on two workers read
+    12,288 with the thresholds raised; which cycles faulted was not printed then.)"""
+    def cycle_faults(retain: bool) -> list[int]:
         out = subprocess.run([sys.executable, "-c", _STEADY_STATE_FAULTS, str(model_dir),
                               "1" if retain else "0"], capture_output=True, text=True,
                              timeout=WAIT_S, check=True)
-        return int(out.stdout.split()[-1])
+        return [int(n) for n in out.stdout.split()[-5:]]
 
-    assert steady_state_faults(retain=False) > 10_000   # 12,288 pages mapped per cycle
-    assert steady_state_faults(retain=True) < 1000
+    mapped_afresh, retained = cycle_faults(retain=False), cycle_faults(retain=True)
+    assert statistics.median(mapped_afresh) > 10_000, mapped_afresh   # 12,288 pages a cycle
+    assert statistics.median(retained) < 1000, retained
 
 
 def test_failure_in_one_batch_fails_only_that_batch(model_dir):
