@@ -17,7 +17,12 @@ import torch
 
 from xrec import Engine, RecRequest
 from xrec.demo import write_random_model
-from xrec.engine.threads import FollowFreeCores, adaptive_by_default, training_threads
+from xrec.engine.threads import (
+    FollowFreeCores,
+    adaptive_by_default,
+    training_threads,
+    use_threads_in_this_thread,
+)
 from xrec.utils.cpu_share import CpuShare
 
 SPIN = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True:\n    pass\n"
@@ -166,6 +171,27 @@ def test_training_threads_are_as_before_afterwards():
 
     before, wanted, inside, after = _in_thread(run)
     assert inside == (wanted, wanted) and after == before
+
+
+def test_training_threads_leave_other_threads_counts_alone():
+    """A thread whose own count differs from the process's (a pipeline's, say) trains on 2
+    threads; afterwards it has its own count back and a new thread still adopts the
+    process's (restoring with torch.set_num_threads made the thread's count everyone's)."""
+    default = torch.get_num_threads()
+    torch.set_num_threads(3)     # the process's count: neither the thread's nor the loop's
+
+    def run():
+        use_threads_in_this_thread(1)
+        with training_threads(2, adaptive=False) as cores:
+            inside = (cores.follow(), torch.get_num_threads())
+        return inside, torch.get_num_threads()
+
+    try:
+        inside, after = _in_thread(run)
+        fresh = _in_thread(torch.get_num_threads)
+    finally:
+        torch.set_num_threads(default)
+    assert inside == (2, 2) and after == 1 and fresh == 3
 
 
 @needs_two_cpus

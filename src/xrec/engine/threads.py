@@ -102,16 +102,25 @@ class FollowFreeCores:
 
 
 @contextmanager
+def threads_in_this_thread(threads: int | None) -> Iterator[int]:
+    """This thread's intra-op threads set to `threads` (None: left as they are) for the
+    block, and as before afterwards; yields the count. No other thread's count, nor the
+    count a new thread adopts, changes (`torch.set_num_threads` would set both)."""
+    previous = torch.get_num_threads()
+    if threads:
+        use_threads_in_this_thread(threads)
+    try:
+        yield threads or previous
+    finally:
+        use_threads_in_this_thread(previous)
+
+
+@contextmanager
 def training_threads(threads: int | None,
                      adaptive: bool | None = None) -> Iterator[FollowFreeCores]:
     """This thread's intra-op threads for a training loop that calls `follow()` before each
     step: `threads` (default: torch's), fewer while other processes take cores (`adaptive`,
-    as in `FollowFreeCores`); torch's count and this thread's are as before afterwards."""
-    previous = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        yield FollowFreeCores(threads or previous, adaptive=adaptive)
-    finally:
-        torch.set_num_threads(previous)
-        use_threads_in_this_thread(previous)
+    as in `FollowFreeCores`); this thread's count is as before afterwards, and no other
+    thread's count changes."""
+    with threads_in_this_thread(threads) as count:
+        yield FollowFreeCores(count, adaptive=adaptive)

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from xrec.engine.threads import FollowFreeCores, training_threads
+from xrec.engine.threads import FollowFreeCores, threads_in_this_thread, training_threads
 from xrec.realdata.data.interactions import DataError, Split
 
 __all__ = ["EpochLog", "SASRecConfig", "SASRecModel", "rank_sasrec", "train_sasrec"]
@@ -278,24 +278,22 @@ def rank_sasrec(model: SASRecModel, split: Split, stage: str, k: int,
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(min(previous_threads, model.config.num_threads))
     try:
-        # users in order of history length, so that a batch pads only to its own longest
-        order = np.argsort([len(h) for h in history], kind="stable")
-        ranked = np.empty((len(history), k), np.int64)
-        for start in range(0, len(order), batch_size):
-            users = order[start:start + batch_size]
-            seqs = [history[u] for u in users]
-            inputs = torch.from_numpy(_trimmed(_windows(seqs, model.config.max_len, None)))
-            hidden = model(inputs.to(device))[:, -1]                  # [B, H]
-            scores = F.pad(model.item_scores(hidden), (1, 0), value=-torch.inf)  # [B, 1 + N]
-            if exclude_seen:
-                scores.scatter_(1, torch.from_numpy(_padded(seqs)).to(device), -torch.inf)
-            ranked[users] = (scores.topk(k, dim=1).indices - 1).cpu().numpy()  # [B, k]
-        return ranked
+        with threads_in_this_thread(min(torch.get_num_threads(), model.config.num_threads)):
+            # users in order of history length, so that a batch pads only to its own longest
+            order = np.argsort([len(h) for h in history], kind="stable")
+            ranked = np.empty((len(history), k), np.int64)
+            for start in range(0, len(order), batch_size):
+                users = order[start:start + batch_size]
+                seqs = [history[u] for u in users]
+                inputs = torch.from_numpy(_trimmed(_windows(seqs, model.config.max_len, None)))
+                hidden = model(inputs.to(device))[:, -1]                  # [B, H]
+                scores = F.pad(model.item_scores(hidden), (1, 0), value=-torch.inf)  # [B, 1 + N]
+                if exclude_seen:
+                    scores.scatter_(1, torch.from_numpy(_padded(seqs)).to(device), -torch.inf)
+                ranked[users] = (scores.topk(k, dim=1).indices - 1).cpu().numpy()  # [B, k]
+            return ranked
     finally:
-        torch.set_num_threads(previous_threads)
         model.train(was_training)
 
 
