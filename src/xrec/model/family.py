@@ -27,6 +27,7 @@ from xrec.config import FamilyConfig
 from xrec.model.inputs import ModelInputs
 from xrec.model.gemm import cpu_fp32_gemm, onednn_linear
 from xrec.model.attention import merge_states, unshared_stage
+from xrec.model.dtype import cpu_native_bf16
 from xrec.model.kv import Allocate, BeamKV
 from xrec.model.layers import linear
 
@@ -131,14 +132,21 @@ class RecModel(nn.Module):
         accuracy is that of `torch.logsumexp`. Measurements: docs/decisions.md, Search and
         Decoder-only family.
 
-        A bfloat16 model on a CPU takes each block's products relative to the first block's
-        max (`addmm` of minus that max, rounded once): the logits near the max, which make
-        the sum, keep float32-like precision instead of bfloat16's 2^-9 of their size
-        (docs/decisions.md, bf16 scores). The first block is computed once more for that.
+        A bfloat16 model on a CPU with native bfloat16 takes each block's products relative
+        to the first block's max (`addmm` of minus that max, rounded once): the logits near
+        the max, which make the sum, keep float32-like precision instead of bfloat16's 2^-9
+        of their size (docs/decisions.md, bf16 scores). The first block is computed once
+        more for that. A CPU without it converts each block to float32 instead: its emulated
+        bfloat16 products ran at ~1 GFLOP/s, the whole head 14x float32's.
         """
         weight, scale = self.head_weight()
         num_rows, vocab = hidden.shape[0], weight.shape[0]
         is_host = hidden.device.type == "cpu"
+        # a CPU without native bfloat16 emulates its products at ~1 GFLOP/s: there a
+        # bfloat16 model's blocks are taken in float32 (exact products, float32's speed)
+        is_upcast = is_host and hidden.dtype == torch.bfloat16 and not cpu_native_bf16()
+        if is_upcast:
+            hidden = hidden.float()
         if not is_host:
             block_rows, block_vocab = num_rows, max(block_vocab, 32768)
         block_rows, block_vocab = min(block_rows, num_rows), min(block_vocab, vocab)
@@ -169,14 +177,14 @@ class RecModel(nn.Module):
                 last = min(first + block_vocab, vocab)
                 out = None if is_onednn else \
                     buffer[:(last - first) * (stop - start)].view(last - first, stop - start)
-                logits = _head_block(weight[first:last], rows, out, scales, base,  # base 2
-                                     onednn_rows)
+                block = weight[first:last].float() if is_upcast else weight[first:last]
+                logits = _head_block(block, rows, out, scales, base, onednn_rows)   # base 2
                 if index == 0 or not is_host:
                     shift = logits.amax(dim=0)                                 # [rows]
                 part = parts[index, start:stop]
                 _log2_sum_exp2(logits, shift, part)
                 if is_host and bool(part.isinf().any()):  # rare: this block again, own max
-                    logits = _head_block(weight[first:last], rows, out, scales, base, onednn_rows)
+                    logits = _head_block(block, rows, out, scales, base, onednn_rows)
                     _log2_sum_exp2(logits, logits.amax(dim=0), part)
                 if base is not None:
                     part.add_(base.float() * scales)
