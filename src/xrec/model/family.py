@@ -158,6 +158,9 @@ class RecModel(nn.Module):
         buffer = torch.empty(0 if is_onednn else block_vocab * block_rows, dtype=hidden.dtype,
                              device=hidden.device)
         parts = torch.empty((num_blocks, num_rows), dtype=torch.float32, device=hidden.device)
+        # the float32 copy of a vocabulary block (upcast only): one buffer for every block
+        block_copy = torch.empty((block_vocab, weight.shape[1]) if is_upcast else 0,
+                                 dtype=torch.float32)
         factor = scale * _LOG2_E
         # float32: the factor goes into the hidden rows (no pass over a block); a bfloat16
         # model keeps its hidden rows exact and scales the float32 products instead
@@ -177,7 +180,8 @@ class RecModel(nn.Module):
                 last = min(first + block_vocab, vocab)
                 out = None if is_onednn else \
                     buffer[:(last - first) * (stop - start)].view(last - first, stop - start)
-                block = weight[first:last].float() if is_upcast else weight[first:last]
+                block = block_copy[:last - first].copy_(weight[first:last]) if is_upcast \
+                    else weight[first:last]
                 logits = _head_block(block, rows, out, scales, base, onednn_rows)   # base 2
                 if index == 0 or not is_host:
                     shift = logits.amax(dim=0)                                 # [rows]
