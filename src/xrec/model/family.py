@@ -160,7 +160,7 @@ class RecModel(nn.Module):
         parts = torch.empty((num_blocks, num_rows), dtype=torch.float32, device=hidden.device)
         # the float32 copy of a vocabulary block (upcast only): one buffer for every block
         block_copy = torch.empty((block_vocab, weight.shape[1]) if is_upcast else 0,
-                                 dtype=torch.float32)
+                                 dtype=torch.float32, device=hidden.device)
         factor = scale * _LOG2_E
         # float32: the factor goes into the hidden rows (no pass over a block); a bfloat16
         # model keeps its hidden rows exact and scales the float32 products instead
