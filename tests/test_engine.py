@@ -242,6 +242,59 @@ def test_failed_batch_has_failed_its_requests_by_the_time_it_reports(model_dir):
         assert future.exception(0).request_id == "bad"
 
 
+def test_a_report_hook_that_raises_stops_neither_the_other_hooks_nor_the_pipeline(model_dir):
+    """A raising hook is logged; before, it ended the pipeline's thread and every later
+    request waited forever."""
+    with Engine.from_pretrained(model_dir, isolation="thread", device="cpu") as engine:
+        reports: queue.SimpleQueue = queue.SimpleQueue()
+
+        def broken(report):
+            raise RuntimeError("metrics backend down")
+        engine.add_report_hook(broken)
+        engine.add_report_hook(reports.put)
+        for request in _requests(3):   # one after another: each batch's hooks ran before
+            assert engine.submit(request).result(WAIT_S).results
+            assert reports.get(timeout=WAIT_S).is_ok
+        assert all(thread.is_alive() for thread in engine.executor.threads)
+
+
+def test_a_pipeline_that_cannot_set_up_fails_its_batches_and_keeps_serving(model_dir):
+    """A failure before the batch runs (here the CUDA graphs' pool, made at a pipeline's
+    first batch) fails that batch's requests; before, it ended the pipeline's thread with
+    the batch it had taken, unanswered."""
+    with Engine.from_pretrained(model_dir, isolation="thread", device="cpu") as engine:
+        def no_pool():
+            raise RuntimeError("injected: no memory for the graphs' pool")
+        engine.executor.make_graphs = no_pool
+        futures = engine.submit_many(_requests(2))
+        for future in futures:
+            with pytest.raises(Internal, match="no memory for the graphs' pool"):
+                future.result(WAIT_S)
+        engine.executor.make_graphs = None
+        assert _answers(engine, _requests(1))[0].results
+        assert engine.stats().num_batches_running == 0
+
+
+def test_close_from_a_done_callback_returns_and_the_engine_closes(model_dir):
+    """A done-callback runs on the pipeline that answered; `close` there cannot wait for
+    that pipeline's batch to end. Before, it waited its whole grace (here 10 x WAIT_S)."""
+    engine = Engine.from_pretrained(model_dir, isolation="thread", device="cpu")
+    returned = threading.Event()
+
+    def close_now(future):
+        engine.close(grace_s=10 * WAIT_S)
+        returned.set()
+    future = engine.submit(_requests(1)[0])
+    future.add_done_callback(close_now)
+    assert future.result(WAIT_S).results
+    assert returned.wait(WAIT_S), "close() on the pipeline waited for its own batch"
+    for thread in (engine.scheduler.thread, *engine.executor.threads):
+        thread.join(WAIT_S)
+        assert not thread.is_alive(), thread.name
+    with pytest.raises(Unavailable):
+        engine.submit(_requests(1)[0])
+
+
 def test_a_served_batch_reports_its_sizes_and_frees_its_pipeline(model_dir):
     """While a batch runs its pipeline is busy with its workspace estimate; after it, both
     are back to 0 and the report carries its sizes and times (the metrics read these)."""

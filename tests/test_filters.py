@@ -40,7 +40,7 @@ def _catalog(family: str, seed: int = 0, num_items: int = 240) -> ItemCatalog:
         triples, vocab = codes + starts, SID_LAYOUT.vocab_size
     else:
         triples, vocab = codes + np.array([3, 20, 40]), 64
-    item_ids = rng.choice(10_000, size=num_items, replace=False) + 1
+    item_ids = rng.choice(20_000, size=num_items, replace=False) - 10_000   # signed, as hashed ids
     types = [TYPES[i] for i in rng.integers(0, len(TYPES), size=num_items)]
     return ItemCatalog(item_ids, triples.astype(np.int32), vocab,
                        dids=[f"d{i}" for i in item_ids], types=types)
@@ -208,7 +208,7 @@ def test_filters_need_a_catalog_and_history_a_tokenizer(tmp_path):
     with Engine.from_pretrained(directory, isolation="thread", device="cpu") as engine:
         with pytest.raises(InvalidArgument, match="exclude_history.*decoder-only"):
             engine.submit(RecRequest(token_ids=[1, 2], exclude_history=True))
-        for bad, match in ((["a"], "exclude_items"), ([-1], r"exclude_items\[0\]"),
+        for bad, match in ((["a"], "exclude_items"), ([-2 ** 63 - 1], r"exclude_items\[0\]"),
                            ([1.5], "exclude_items"), ("12", "exclude_items")):
             with pytest.raises(InvalidArgument, match=match):
                 engine.submit(RecRequest(token_ids=[1, 2], exclude_items=bad))
@@ -224,6 +224,32 @@ def test_filters_need_a_catalog_and_history_a_tokenizer(tmp_path):
                                 max_exclude_items=3) as engine:
         with pytest.raises(InvalidArgument, match="4 ids, more than max_exclude_items=3"):
             engine.submit(RecRequest(token_ids=[1, 2], exclude_items=[1, 2, 3, 4]))
+
+
+def test_item_types_are_the_strings_themselves_at_the_memory_they_take():
+    """Types are coded as the catalog's strings: "movie" and "movie\\x00" stay two types,
+    and one long type costs its own length, not items x its length (a fixed-width numpy
+    string array did both wrong: 5,000 items and one 20,000-character type took 400 MB)."""
+    import tracemalloc
+
+    catalog = ItemCatalog([1, 2], np.array([[1, 2, 3], [1, 2, 4]], dtype=np.int32), 8,
+                          dids=["a", "b"], types=["movie", "movie\x00"])
+    index = FilterIndex(catalog)
+    assert index.type_names == ("movie", "movie\x00")
+    assert index.resolve(None, ("movie",), None).allowed_rows(np.array([0, 1])).tolist() == \
+        [True, False]
+    num_items = 5_000
+    types = ["x" * 20_000] + ["short"] * (num_items - 1)
+    catalog = ItemCatalog(np.arange(num_items), np.arange(3 * num_items).reshape(-1, 3) % 8, 8,
+                          dids=[""] * num_items, types=types)
+    tracemalloc.start()
+    try:
+        index = FilterIndex(catalog)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert index.type_names == ("short", "x" * 20_000)
+    assert peak < 32 << 20, f"coding the types took {peak / 2**20:.0f} MiB at its peak"
 
 
 # ---- contracts against brute force -------------------------------------------------------

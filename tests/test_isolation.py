@@ -125,6 +125,18 @@ def test_cancel_report_hooks_and_bursts(engine):
     assert reports and reports[0].num_requests >= 1
 
 
+def test_unmatched_release_raises_here_and_the_child_serves_on(engine):
+    """As in-thread: an unmatched `release_wakeups()` raises to its caller. Before, it
+    returned here and ended the child's serving loop (every pending request UNAVAILABLE)."""
+    pid = engine.pid
+    with pytest.raises(RuntimeError, match="without hold_wakeups"):
+        engine.release_wakeups()
+    engine.hold_wakeups()
+    engine.release_wakeups()
+    assert engine.recommend(_requests(2))[0].results
+    assert _is_alive(pid)
+
+
 def test_stats_come_from_the_child_in_the_in_process_shape(model_dir, engine):
     """`stats()` (what /metrics reads) is the child engine's snapshot: the same EngineStats
     as an in-process engine of the same options, idle after its answers."""
@@ -196,6 +208,19 @@ def test_close_and_garbage_collection_end_the_child(model_dir):
     del engine
     gc.collect()
     assert _wait_gone(pid)
+
+
+def test_close_twice_leaves_the_hosts_files_alone(model_dir, tmp_path):
+    """`close()` then `with`'s own close: the second is a no-op. Before, it closed the
+    arena's file descriptor again, by then the number of a file this process had opened."""
+    with Engine.from_pretrained(model_dir, isolation="process", device="cpu") as engine:
+        assert engine.recommend(_requests(1))[0].results
+        engine.close(grace_s=WAIT_S)
+        mine = os.open(tmp_path / "mine.txt", os.O_CREAT | os.O_RDWR)
+    try:
+        assert os.write(mine, b"still open") == 10
+    finally:
+        os.close(mine)
 
 
 def _use_and_drop(model_dir) -> tuple[int, list]:

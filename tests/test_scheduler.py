@@ -283,6 +283,49 @@ def test_request_too_big_for_an_empty_pipeline_fails_at_once(
     assert "too-big" not in executor.launched_ids()
 
 
+class ScaledCatalog:
+    """A catalog whose workspace estimate is `scale` times FakeCatalog's (a wider one)."""
+
+    def __init__(self, scale: int):
+        self.scale = scale
+
+    def batch_bytes(self, batch):
+        return self.scale * workspace_bytes(batch)
+
+
+def test_request_a_newer_catalog_makes_too_big_fails_instead_of_blocking_the_queue():
+    """A request admitted on one catalog that no longer fits an empty batch on the catalog
+    loaded while it waited fails with the reason; the requests behind it run (before the
+    fix it stayed at the head of the queue and nothing behind it ever launched)."""
+    current = [ScaledCatalog(1)]
+    executor = FakeExecutor()
+    scheduler = FixedStepsScheduler(make_limits(max_workspace_bytes=500), executor.launch,
+                                    lambda: current[0])
+    executor.scheduler = scheduler
+    scheduler.start()
+    try:
+        executor.gate.clear()
+        first = make_request("first", 10)
+        scheduler.submit(first)
+        executor.wait_until(lambda: executor.num_in_flight == 1)
+        wide = make_request("wide", 20, 16)      # 320 bytes here, 960 on the wider catalog
+        scheduler.submit(wide)
+        current[0] = ScaledCatalog(3)            # a catalog load while `wide` waits
+        small = make_request("small", 1)
+        scheduler.submit(small)
+        executor.gate.set()
+        with pytest.raises(ResourceExhausted, match=re.escape(
+                "needs 960 workspace bytes; max_workspace_bytes=500 on the catalog loaded")):
+            wide.future.result(WAIT_S)
+        assert first.future.result(WAIT_S) == "first"
+        assert small.future.result(WAIT_S) == "small"
+        assert "wide" not in executor.launched_ids()
+    finally:
+        executor.gate.set()
+        close_within(scheduler, WAIT_S)
+        executor.shutdown()
+
+
 def test_request_that_only_has_to_wait_is_never_failed(make_scheduler):
     scheduler, executor = make_scheduler(make_limits(max_tokens_per_batch=10))
     executor.gate.clear()

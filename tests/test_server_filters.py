@@ -205,7 +205,8 @@ def test_item_types_on_a_catalog_without_types_is_400(sid):
 # ---- bad input: 4xx naming the field ------------------------------------------------------
 
 BAD = [  # (route, fields, status, the message's start); the typed server unless "sid"
-    (NATIVE, {"exclude_items": [7, -1]}, 400, "exclude_items[1]: got -1,"),
+    (NATIVE, {"exclude_items": [7, -2 ** 63 - 1]}, 400,
+     "exclude_items[1]: got -9223372036854775809,"),
     (NATIVE, {"exclude_items": [2 ** 64]}, 400, "exclude_items[0]: got 18446744073709551616,"),
     (NATIVE, {"exclude_items": [1.5]}, 422, "exclude_items[0]: Input should be a valid integer"),
     (NATIVE, {"exclude_items": [True]}, 422, "exclude_items[0]: Input should be a valid integer"),
@@ -214,10 +215,11 @@ BAD = [  # (route, fields, status, the message's start); the typed server unless
     (NATIVE, {"item_types": ["video", 3]}, 422, "item_types[1]: Input should be a valid string"),
     (NATIVE, {"exclude_history": "yes"}, 422, "exclude_history: Input should be a valid boolean"),
     (NATIVE, {"exclude_history": True}, 400, "exclude_history: needs a decoder-only model"),
-    (XLLM, {"exclude_items": [-3]}, 400, "exclude_items[0]: got -3,"),
+    (XLLM, {"exclude_items": [2 ** 63]}, 400, "exclude_items[0]: got 9223372036854775808,"),
     (XLLM, {"item_types": [None]}, 422, "item_types[0]: Input should be a valid string"),
     (XLLM, {"exclude_history": True}, 400, "exclude_history: needs a decoder-only model"),
-    ("sid" + CHAT, {"exclude_items": [4, -4]}, 400, "exclude_items[1]: got -4,"),
+    ("sid" + CHAT, {"exclude_items": [4, -2 ** 63 - 4]}, 400,
+     "exclude_items[1]: got -9223372036854775812,"),
     ("sid" + CHAT, {"exclude_items": [[4]]}, 422, "exclude_items[0]: Input should be a valid"),
     ("sid" + CHAT, {"item_types": "video"}, 422, "item_types: Input should be a valid"),
     ("sid" + CHAT, {"exclude_history": 1}, 422, "exclude_history: Input should be a valid"),

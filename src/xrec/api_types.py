@@ -282,17 +282,18 @@ def _filters(request: RecRequest, limits: SearchLimits, tokenizer: Any,
 
 
 def _item_ids(values: Any, max_items: int) -> np.ndarray:
-    """`exclude_items` as sorted unique int64 ids: integers in [0, 2**63), at most `max_items`."""
+    """`exclude_items` as sorted unique int64 ids: integers in [-2**63, 2**63), the range of a
+    catalog's item ids, at most `max_items`."""
     if isinstance(values, (str, bytes)):
         raise InvalidArgument(f"exclude_items: got {_short(values)}, expected a list of item ids")
     array = _integer_list(values, "exclude_items", "integer item ids")
     if len(array) > max_items:
         raise InvalidArgument(f"exclude_items: {len(array)} ids, more than max_exclude_items="
                               f"{max_items}")
-    bad = np.flatnonzero((array < 0) | (array > np.iinfo(np.int64).max))
+    bad = np.flatnonzero((array < np.iinfo(np.int64).min) | (array > np.iinfo(np.int64).max))
     if bad.size:
         raise InvalidArgument(f"exclude_items[{bad[0]}]: got {array[bad[0]]}, expected an item id "
-                              f"in [0, 2**63 - 1]")
+                              f"in [-2**63, 2**63 - 1] (int64)")
     return np.unique(array.astype(np.int64))
 
 

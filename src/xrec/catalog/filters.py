@@ -82,8 +82,9 @@ class FilterIndex:
         self.type_names: tuple[str, ...] = ()
         self.type_codes: np.ndarray | None = None                     # [n] int64
         if catalog.types is not None:
-            names, codes = np.unique(np.asarray(catalog.types, dtype=object).astype(str),
-                                     return_inverse=True)
+            # over the strings themselves: a fixed-width str array would take items x the
+            # longest type x 4 bytes, and drops trailing NULs
+            names, codes = np.unique(np.asarray(catalog.types, dtype=object), return_inverse=True)
             self.type_names, self.type_codes = tuple(names.tolist()), codes.astype(np.int64)
         self.max_type_sets = max_type_sets
         self._type_sets: OrderedDict[tuple[str, ...], TypeSet] = OrderedDict()

@@ -31,7 +31,7 @@ from xrec.engine.host import own_process, retain_freed_memory
 from xrec.engine.requests import BatchLimits, BatchReport, ScheduledRequest
 from xrec.engine.responses import ResponseData
 from xrec.engine.scheduler import FixedStepsScheduler
-from xrec.errors import InvalidArgument, Unavailable, XrecError
+from xrec.errors import Internal, InvalidArgument, Unavailable, XrecError
 from xrec.model.dtype import dtype_name, emulation_warning, resolve_dtype
 from xrec.model.gemm import cpu_fp32_gemm
 from xrec.model.family import RecModel
@@ -130,7 +130,7 @@ class Engine(EngineFrontend):
         self.num_pipelines = num_pipelines
         self._closed = threading.Event()
         scheduler.start()
-        self._finalizer = weakref.finalize(self, _close_when_collected, scheduler, executor,
+        self._finalizer = weakref.finalize(self, _close_off_own_threads, scheduler, executor,
                                            self._closed, (scheduler.thread, *executor.threads))
         logger.info("engine ready: %s, %.1fM parameters, %s %s, %d pipeline(s), workspace %.1f MiB "
                     "each, catalog %s, options %s", model_name, config.num_parameters / 1e6, device,
@@ -283,9 +283,12 @@ class Engine(EngineFrontend):
     def close(self, grace_s: float = 30.0) -> None:
         """Stop accepting, finish what is queued and running (up to `grace_s`), then stop:
         what still waits fails UNAVAILABLE, a batch still running stops at its next round
-        (UNAVAILABLE), and the threads end. Idempotent."""
-        if self._finalizer.detach() is not None:
-            _close_parts(self.scheduler, self.executor, self._closed, grace_s)
+        (UNAVAILABLE), and the threads end. Idempotent. Called on one of the engine's own
+        threads (a done-callback runs on the pipeline that answered), it returns at once and
+        the engine closes on a thread of its own."""
+        detached = self._finalizer.detach()
+        if detached is not None:
+            _close_off_own_threads(*detached[2], grace_s)
 
     def describe(self) -> dict:
         """What start-up logs and a process-isolated engine's parent show (plain values)."""
@@ -361,26 +364,38 @@ def _batch_done(scheduler: FixedStepsScheduler, hooks: list[Callable[[BatchRepor
                 answers_as_data: bool, batch: EngineBatch,
                 report: BatchReport[ResponseData]) -> None:
     """A pipeline finished `batch` (on that pipeline's thread): the scheduler answers its
-    requests and frees its slot, then the hooks see the report."""
+    requests and frees its slot, then the hooks see the report. A hook that raises is
+    logged: it neither stops the other hooks nor the pipeline."""
     if not answers_as_data:
-        report = _with_responses(batch, report)
+        try:
+            report = _with_responses(batch, report)
+        except Exception as exc:
+            logger.exception("converting the answers of a batch of %d requests failed",
+                             batch.num_requests)
+            report = replace(report, answers=(), error=Internal(
+                f"batch failed: {type(exc).__name__}: {exc}"))
     scheduler.finish(batch, report)
     if hooks:
         summary = report.without_answers()
         for hook in hooks:
-            hook(summary)
+            try:
+                hook(summary)
+            except Exception:
+                logger.exception("report hook failed")
 
 
-def _close_when_collected(scheduler: FixedStepsScheduler, executor: Executor,
-                          closed: threading.Event, threads: tuple) -> None:
-    """The finalizer: `close(0)` once the engine is collected or the interpreter exits. On
-    one of the engine's own `threads` (a cyclic collection runs wherever it is triggered,
-    maybe while that thread holds one of the engine's locks) it closes on a new thread."""
+def _close_off_own_threads(scheduler: FixedStepsScheduler, executor: Executor,
+                           closed: threading.Event, threads: tuple, grace_s: float = 0.0) -> None:
+    """`Engine.close`, and the finalizer (`close(0)` once the engine is collected or the
+    interpreter exits). On one of the engine's own `threads` it closes on a new thread: a
+    pipeline cannot wait for the batch it is still finishing (a done-callback calling close
+    waited its whole grace), and a cyclic collection runs wherever it is triggered, maybe
+    while that thread holds one of the engine's locks."""
     if threading.current_thread() in threads:
-        threading.Thread(target=_close_parts, args=(scheduler, executor, closed, 0.0),
+        threading.Thread(target=_close_parts, args=(scheduler, executor, closed, grace_s),
                          name="xrec-engine-close", daemon=True).start()
     else:
-        _close_parts(scheduler, executor, closed, 0.0)
+        _close_parts(scheduler, executor, closed, grace_s)
 
 
 def _close_parts(scheduler: FixedStepsScheduler, executor: Executor, closed: threading.Event,

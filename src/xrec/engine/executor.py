@@ -196,12 +196,6 @@ class Executor:
         batch = self._work.get()
         if batch is None:
             return False
-        if pipe.cores is not None:
-            pipe.cores.follow()
-        if pipe.graphs is None and self.make_graphs is not None:
-            with _on(pipe.stream):
-                pipe.graphs = self.make_graphs()   # its memory pool, on this pipeline's device
-            self._graphs.append(pipe.graphs)
         with self._busy_lock:
             self._busy += 1
             self._bytes_in_use += batch.workspace_bytes
@@ -211,7 +205,10 @@ class Executor:
             with self._busy_lock:
                 self._busy -= 1
                 self._bytes_in_use -= batch.workspace_bytes
-        self.on_done(batch, report)
+        try:
+            self.on_done(batch, report)
+        except Exception:   # the pipeline lives on to run the batches after this one
+            logger.exception("answering a batch of %d requests failed", batch.num_requests)
         return True
 
     def _run(self, batch: EngineBatch, pipe: _Pipeline) -> BatchReport[ResponseData]:
@@ -219,6 +216,7 @@ class Executor:
         scheduled = batch.requests
         queue_s = tuple(started - r.enqueued_at for r in scheduled)
         try:
+            self._ready(pipe)
             if self.fault is not None:
                 self.fault(batch)
             served = batch.catalog
@@ -260,6 +258,16 @@ class Executor:
         finished = self.clock()
         return BatchReport(batch.num_requests, batch.num_beams, finished - started, queue_s,
                            finished, answers, error)
+
+    def _ready(self, pipe: _Pipeline) -> None:
+        """Before a batch: the pipeline's thread count, and its CUDA graphs' pool at its first
+        batch (in the batch's try: a failure here fails that batch, never the pipeline)."""
+        if pipe.cores is not None:
+            pipe.cores.follow()
+        if pipe.graphs is None and self.make_graphs is not None:
+            with _on(pipe.stream):
+                pipe.graphs = self.make_graphs()   # its memory pool, on this pipeline's device
+            self._graphs.append(pipe.graphs)
 
     def _before_round(self, rounds: int, last_deadline: float | None, round_index: int) -> None:
         """Between rounds: stop the batch when the engine closes or when every request in

@@ -91,6 +91,7 @@ class _Link:
     lock: threading.Lock = field(default_factory=threading.Lock)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     error: BaseException | None = None      # set once the child is gone
+    num_holds: int = 0                      # hold_wakeups() not yet released, under `lock`
     # (deadline, seq, request_id, timeout_ms) of submitted requests, a heap under `lock`;
     # entries of answered requests are skipped when they come up (or pruned on submit)
     deadlines: list[tuple[float, int, str, float]] = field(default_factory=list)
@@ -325,9 +326,17 @@ class ProcessEngine(EngineFrontend):
         return futures
 
     def hold_wakeups(self) -> None:
+        with self._link.lock:
+            self._link.num_holds += 1
         self._link.send(("hold",))
 
     def release_wakeups(self) -> None:
+        """An unmatched release raises here, as `Engine.release_wakeups` does; in the child
+        it would end the serving loop."""
+        with self._link.lock:
+            if self._link.num_holds < 1:
+                raise RuntimeError("release_wakeups() without hold_wakeups()")
+            self._link.num_holds -= 1
         self._link.send(("release",))
 
     def stats(self) -> EngineStats:
@@ -336,9 +345,11 @@ class ProcessEngine(EngineFrontend):
 
     def add_report_hook(self, hook: Callable[[BatchReport], None]) -> None:
         """Call `hook(BatchReport)` after every batch (on this engine's receiver thread)."""
-        if not self._link.hooks:
+        with self._link.lock:   # one ("reports",) however many threads add the first hooks
+            is_first = not self._link.hooks
+            self._link.hooks.append(hook)
+        if is_first:
             self._link.send(("reports",))
-        self._link.hooks.append(hook)
 
     def call(self, name: str, *args: Any) -> Any:
         """Run the child engine's method `name(*args)` and return its (picklable) result."""
@@ -384,9 +395,11 @@ class ProcessEngine(EngineFrontend):
         return self._link.process.pid
 
     def close(self, grace_s: float = 30.0) -> None:
-        """Finish what is queued and running (up to `grace_s`), then stop the child."""
-        self._finalizer.detach()
-        _shutdown(self._link, (self._receiver, self._timer), grace_s)
+        """Finish what is queued and running (up to `grace_s`), then stop the child.
+        Idempotent (as `Engine.close`): a second call must not close the arena's file
+        descriptor again, whose number this process may have given to another file."""
+        if self._finalizer.detach() is not None:
+            _shutdown(self._link, (self._receiver, self._timer), grace_s)
 
 
 def _cancel_in_child(link: _Link, seq: int, future: Future) -> None:

@@ -349,6 +349,12 @@ class FixedStepsScheduler:
                     if builder.is_full or len(builder.requests) >= share:
                         break
                     continue
+                if not builder.requests:   # admitted on a catalog narrower than this one
+                    reason = self._limits.why_too_big(request,
+                                                      builder.catalog.batch_bytes([request]))
+                    dropped.append((request, ResourceExhausted(
+                        f"{reason} on the catalog loaded since it was queued")))
+                    continue
             except Exception as exc:  # an estimator bug fails this request only
                 dropped.append((request, Internal(f"workspace estimate failed: {exc!r}")))
                 continue

@@ -79,8 +79,12 @@ class Arena:
             return sum(length for _, length in self._free)
 
     def close(self) -> None:
+        """Unmap and close the file; idempotent (a closed fd's number may be reused)."""
+        if self.fd < 0:
+            return
         self.view.release()
         os.close(self.fd)
+        self.fd = -1
 
 
 def dumps(message: Any, arena: Arena | None) -> tuple[bytes, list[Region]]:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from xrec.engine.engine import Engine
 
 PARENT_POLL_S = 0.2
+logger = logging.getLogger(__name__)
 
 
 def main(argv: list[str]) -> int:
@@ -84,17 +85,24 @@ class Child:
                 future = self.futures.get(message[1])
                 if future is not None:
                     future.cancel()
-            elif kind == "hold":
-                self.engine.hold_wakeups()
-            elif kind == "release":
-                self.engine.release_wakeups()
-            elif kind == "reports":
-                self.engine.add_report_hook(lambda report: self.send(("report", report)))
+            elif kind in ("hold", "release", "reports"):
+                try:
+                    self._control(kind)
+                except Exception:   # a misuse the parent let through ends no serving loop
+                    logger.exception("%r from the parent failed", kind)
             elif kind == "call":
                 threading.Thread(target=self._call, args=message[1:], daemon=True).start()
             elif kind == "close":
                 self.engine.close(message[1])   # every answer is sent when this returns
                 return
+
+    def _control(self, kind: str) -> None:
+        if kind == "hold":
+            self.engine.hold_wakeups()
+        elif kind == "release":
+            self.engine.release_wakeups()
+        else:
+            self.engine.add_report_hook(lambda report: self.send(("report", report)))
 
     def _submit(self, items: list[tuple[int, ValidRequest]], arrived_at: float) -> None:
         """Queue the parent's requests; their deadlines count from the parent's submission

@@ -104,7 +104,7 @@ VALUES_PER_TOKEN = 16     # commas of a prompt's text per token (counted as JSON
 BODY_SLACK_BYTES = 64 << 10
 USAGE_FILTER_KEYS = ("excluded_items_unknown",)   # usage keys the filters add (engine)
 # the filter fields of the three request models (OpenAPI descriptions)
-EXCLUDE_ITEMS = ("Catalog item ids never to recommend (integers >= 0, at most the engine's "
+EXCLUDE_ITEMS = ("Catalog item ids never to recommend (int64 integers, at most the engine's "
                  "max_exclude_items); ids the catalog does not hold are ignored and counted in "
                  "usage.excluded_items_unknown. Engines that constrain to a catalog.")
 ITEM_TYPES = ("Recommend only items of these types (an allow-list of the catalog's `type` "
