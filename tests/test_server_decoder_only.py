@@ -299,6 +299,11 @@ def test_a_prompt_that_cannot_fit_is_refused_without_encoding(sid, monkeypatch):
     parts = [{"role": "user", "content": [{"type": "text", "text": too_long}]}]
     with pytest.raises(InvalidArgument, match="messages: at least"):
         check_prompt_bound(RecRequest(messages=parts), limits, tokenizer)
+    # many empty messages: no content, but the template's text around each (before, only
+    # the contents were counted, and 30,000 such messages were tokenized on the event loop)
+    empty = [{"role": "user", "content": ""}] * longest
+    with pytest.raises(InvalidArgument, match="messages: at least"):
+        check_prompt_bound(RecRequest(messages=empty), limits, tokenizer)
     # what may fit, or is no text, is left to the engine's exact count
     for request in (RecRequest(prompt="7" * longest), RecRequest(prompt=PROMPT),
                     RecRequest(messages=MESSAGES), RecRequest(token_ids=[1] * 10_000),

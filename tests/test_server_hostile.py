@@ -28,8 +28,8 @@ httpx = pytest.importorskip("httpx")
 np = pytest.importorskip("numpy")
 
 from test_server import (API_KEY, D_MODEL, NATIVE, VALID, WAIT_S, XLLM, Gate,  # noqa: E402
-                         ServerThread, assert_error, b64, embedding, engine, metric,  # noqa: F401
-                         model_dir, post_in_thread, start_serve, wait_until)
+                         ServerThread, assert_error, b64, embedding, engine, gate,  # noqa: F401
+                         metric, model_dir, post_in_thread, start_serve, wait_until)
 
 from xrec import Engine  # noqa: E402
 from xrec.demo import write_random_model  # noqa: E402
@@ -236,6 +236,46 @@ def test_idle_connections_are_closed(impatient):
         assert_closed_by_server(sock)
 
 
+def test_blank_lines_do_not_keep_a_connection_open(impatient):
+    """The parser skips CRLFs between requests without beginning one; uvicorn stopped the
+    keep-alive close at any byte, so a lone CRLF held a connection (and a slot of
+    max_connections) open for good."""
+    with connect(impatient.port) as sock:   # before any request
+        sock.sendall(b"\r\n")
+        assert_closed_by_server(sock)
+    with connect(impatient.port) as sock:   # after an answer, and dripped
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_answer(sock)[0] == 200
+        with pytest.raises(OSError):   # broken pipe or reset once the server has closed
+            for _ in range(int(WAIT_S / 0.1)):
+                sock.sendall(b"\r\n")
+                time.sleep(0.1)
+
+
+def test_a_pipelined_head_waits_while_the_request_before_it_is_answered(engine, gate):
+    """A client that sends its next request's first bytes while the one before is still
+    being answered: that answer is its own, however long it takes (before, the head
+    timeout answered it with the next head's 408), then the next head's clock starts."""
+    running = limited_server(engine, header_timeout_s=0.5)
+    try:
+        with connect(running.port) as sock:
+            data = json.dumps({**VALID, "request_id": "slow-pipelined"})
+            sock.sendall(f"POST {NATIVE} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                         f"\r\nContent-Length: {len(data)}\r\n\r\n{data}".encode())
+            assert gate.entered.wait(WAIT_S), "the slow batch never started"
+            sock.sendall(b"GET /hea")   # the next head begins, and stops
+            time.sleep(1.5)              # three head timeouts while the request runs
+            gate.release.set()
+            status, _, answer = read_answer(sock)
+            assert status == 200 and answer["results"], answer
+            status, headers, body = read_answer(sock)   # then the unfinished head's 408
+            assert status == 408 and "head" in body["error"]["message"], body
+            assert_error_shape(body, headers, "DEADLINE_EXCEEDED")
+        assert refusals(running.url, "header_timeout") == 1
+    finally:
+        running.stop()
+
+
 def test_connections_over_the_cap_are_refused_cleanly(engine):
     running = limited_server(engine, max_connections=4, keep_alive_s=WAIT_S * 4)
     held: list[socket.socket] = []
@@ -333,6 +373,14 @@ def test_body_limit_is_the_largest_valid_request(served, engine):
     assert httpx.post(served.url + NATIVE, json=half, timeout=WAIT_S * 2).status_code == 200
 
 
+def _answer_head(sock: socket.socket) -> tuple[int, dict]:
+    """(status, headers in lower case) of the next response on `sock`, its body read."""
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    response.read()
+    return response.status, {k.lower(): v for k, v in response.getheaders()}
+
+
 def _service(running: ServerThread):
     return running.server.config.app.state.xrec
 
@@ -362,14 +410,22 @@ def test_a_body_over_the_limit_is_a_413_that_clients_can_read(engine):
         running.stop()
 
 
-def test_the_drain_after_an_early_answer_is_bounded_in_bytes(engine):
-    """A client that keeps sending after its 413 is cut off once MAX_LINGER_BYTES are
-    dropped: it read the 413 and then its sends fail."""
-    running = limited_app_server(create_app(engine, max_body_bytes=1 << 20))
+@pytest.mark.parametrize("keep_alive, api_key", [(False, None), (True, None), (True, API_KEY)],
+                         ids=["413-connection-close", "413-kept-alive", "401-kept-alive"])
+def test_the_drain_after_an_early_answer_is_bounded_in_bytes(engine, keep_alive, api_key):
+    """A client that keeps sending after its 413 (or a 401: no key) is cut off once
+    MAX_LINGER_BYTES are dropped: it read the answer and then its sends fail. On a
+    kept-alive connection the answer closes it (before, the server read and dropped the
+    declared terabyte until the body timeout)."""
+    running = limited_app_server(create_app(engine, max_body_bytes=1 << 20, api_key=api_key))
     try:
         with connect(running.port) as sock:
-            sock.sendall(f"POST {NATIVE} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            sock.sendall(f"POST {NATIVE} HTTP/1.1\r\nHost: x\r\n"
+                         f"{'' if keep_alive else 'Connection: close' + chr(13) + chr(10)}"
                          f"Content-Length: {1 << 40}\r\n\r\n".encode())
+            status, headers = _answer_head(sock)
+            assert status == (413 if api_key is None else 401)
+            assert headers["connection"] == "close"
             chunk, num_sent = b"0" * (1 << 20), 0
             with pytest.raises(OSError):   # reset or broken pipe once the server has closed
                 while num_sent < 8 * MAX_LINGER_BYTES:
@@ -532,6 +588,16 @@ def test_a_busy_port_is_one_line_and_exit_1(model_dir, tmp_path):
     assert done.returncode == 1, done.stderr
     assert done.stderr.strip().splitlines() == [
         f"xrec serve: error: cannot listen on 127.0.0.1:{port}: Address already in use"]
+
+
+def test_a_grace_period_out_of_range_is_refused_at_start_up(model_dir, tmp_path):
+    """`--grace-s inf` started, then SIGTERM overflowed the drain's waits (exit 1)."""
+    for value in ("inf", "nan", "1e10", "-1"):
+        done = _xrec(["serve", "--model", str(model_dir), "--device", "cpu", "--port", "0",
+                      "--grace-s", value], _env(tmp_path))
+        assert done.returncode == 1, done.stderr
+        assert f"--grace-s: got {float(value)}, expected seconds in [0, 86400]" in done.stderr, \
+            done.stderr
 
 
 def test_an_empty_api_key_is_refused_at_start_up(model_dir, tmp_path, engine):

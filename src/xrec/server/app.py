@@ -44,7 +44,11 @@ from xrec.server.service import COMPLETION_PATHS, XrecService, error_response
 
 
 class _Gate:
-    """ASGI middleware: counts requests in flight (for the drain) and checks the API key."""
+    """ASGI middleware: counts requests in flight (for the drain), checks the API key, and
+    closes the connection after an answer given before the request's body was read (a 401,
+    a 413 on the declared size): on a kept-alive connection uvicorn went on reading and
+    dropping that body, however large, until the body timeout; closed, the drop is bounded
+    (limits.py, the lingering close)."""
 
     def __init__(self, app: Any, service: XrecService):
         self.app, self.service = app, service
@@ -52,6 +56,8 @@ class _Gate:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if _has_body(scope["headers"]):
+            receive, send = _closing_if_unread(receive, send)
         service = self.service
         service.num_in_flight += 1
         try:
@@ -65,6 +71,35 @@ class _Gate:
             await self.app(scope, receive, send)
         finally:
             service.num_in_flight -= 1
+
+
+def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    for name, value in headers:
+        if (name == b"content-length" and value.strip() not in (b"0", b"")) or \
+                name == b"transfer-encoding":
+            return True
+    return False
+
+
+def _closing_if_unread(receive: Any, send: Any) -> tuple[Any, Any]:
+    """`receive` and `send` such that a response that starts before the last body chunk was
+    received carries `Connection: close`."""
+    is_read = False
+
+    async def reading() -> dict:
+        nonlocal is_read
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            is_read = True
+        return message
+
+    async def sending(message: dict) -> None:
+        if message["type"] == "http.response.start" and not is_read:
+            message = {**message, "headers": [*message.get("headers", ()),
+                                              (b"connection", b"close")]}
+        await send(message)
+
+    return reading, sending
 
 
 def _is_authorized(scope: dict, key: bytes) -> bool:

@@ -12,12 +12,15 @@ app (so before auth):
   parser hands over the URL and each header (name, value and their separators), so a head
   that ends inside one read is measured too.
 - `header_timeout_s`: from a request's first byte until its head is complete; past it
-  408 (slow-header clients).
+  408 (slow-header clients). Not while an earlier request of the connection is still
+  being answered (a pipelining client): its clock starts again then.
 - `body_timeout_s`: from the end of the head until the body is complete; past it 408
   (slow-body clients). Not counted while the server itself holds the reading back
   (flow control, a pipelined request waiting its turn).
 - `keep_alive_s`: a connection with no request in progress is closed after this long,
-  also before its first request (uvicorn arms it only after a response).
+  also before its first request (uvicorn arms it only after a response). Only a request's
+  beginning stops it: uvicorn stopped it at any byte, so a lone CRLF (which the parser
+  skips) held a connection open for good.
 - `max_connections`: open connections; the next one is answered 503 and closed at once,
   before it can hold a file descriptor for long.
 
@@ -171,7 +174,8 @@ class LimitedProtocol(HttpToolsProtocol):
             return
         if self._is_reading_head:
             self._head_bytes += len(data)
-        self._unset_keepalive_if_required()
+        # the keep-alive close is cancelled when a request begins (on_message_begin), not
+        # by any byte: the blank lines httptools skips between requests kept it off forever
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError:
@@ -196,13 +200,16 @@ class LimitedProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if self._is_lingering:   # lingering after the answer: no keep-alive close at 5 s
+        # lingering after the answer, or the next request's head or body already begun (its
+        # own deadline runs): no keep-alive close
+        if self._is_lingering or self._deadline is not None:
             self._unset_keepalive_if_required()
 
     # ---- parser callbacks ------------------------------------------------------------
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._unset_keepalive_if_required()
         self._is_reading_head = True
         self._head_size = 0
         self._arm(self.limits.header_timeout_s, self._head_timed_out)
@@ -250,6 +257,12 @@ class LimitedProtocol(HttpToolsProtocol):
 
     def _head_timed_out(self) -> None:
         self._deadline = None
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            # an earlier request of this connection is still being answered: a refusal now
+            # would answer it with this 408; the next head's clock starts again
+            self._arm(self.limits.header_timeout_s, self._head_timed_out)
+            return
         if self._is_reading_head and not self.transport.is_closing():
             self._refuse(408, "DEADLINE_EXCEEDED", f"request head not received within "
                          f"{self.limits.header_timeout_s:g} s", "header_timeout")

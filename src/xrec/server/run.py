@@ -47,6 +47,7 @@ from xrec.server.limits import ConnectionLimits, protocol_class
 logger = logging.getLogger("xrec.server")
 
 HTTP_TAIL_S = 10.0   # after the engine drained: how long answers may take to be written
+MAX_GRACE_S = 86_400    # --grace-s: a day of draining at most
 BACKLOG = 2048
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -137,8 +138,8 @@ def serve(args: argparse.Namespace, model_dir: str, engine_options: dict[str, An
             raise ValueError(f"--{flag.replace('_', '-')}:{problem}") from None
         raise
     service: XrecService = app.state.xrec
-    if args.grace_s < 0:
-        raise ValueError(f"--grace-s: got {args.grace_s}, expected >= 0")
+    if not 0 <= args.grace_s <= MAX_GRACE_S:   # also NaN; inf overflowed the drain's waits
+        raise ValueError(f"--grace-s: got {args.grace_s}, expected seconds in [0, {MAX_GRACE_S}]")
     limits = connection_limits(args)
     _reserve_file_descriptors(limits.max_connections)
     sock = listen(args.host, args.port)

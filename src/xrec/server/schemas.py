@@ -344,8 +344,10 @@ def num_results(n: int | None, num_return_sequences: int | None) -> int | None:
 def check_prompt_bound(request: RecRequest, limits: SearchLimits, tokenizer: Any) -> None:
     """Refuse a `prompt` or `messages` that cannot fit `max_input_len`, before the BPE work
     (the engine's validation counts the exact length of what passes): its text has at
-    least `tokenizer.min_num_tokens(text)` tokens. A chat is rendered for this only when
-    its contents alone could be too long. `tokenizer`: a `PromptTokenizer` or None."""
+    least `tokenizer.min_num_tokens(text)` tokens. A chat is rendered for this (its template
+    adds text to every message, so many short messages are a long prompt too; rendering costs
+    a sixteenth of the BPE work: 33 ms for 30,000 empty messages against 533).
+    `tokenizer`: a `PromptTokenizer` or None."""
     others = (request.token_ids, request.sparse_embedding)
     if tokenizer is None or tokenizer.max_token_chars is None or any(x is not None for x in others):
         return
@@ -353,8 +355,7 @@ def check_prompt_bound(request: RecRequest, limits: SearchLimits, tokenizer: Any
     longest = (limits.max_input_len - prefix_len) * tokenizer.max_token_chars  # fits, surely
     if isinstance(request.prompt, str) and request.messages is None:
         field, text = "prompt", request.prompt
-    elif request.messages is not None and request.prompt is None \
-            and _content_chars(request.messages) > longest:
+    elif request.messages is not None and request.prompt is None:
         field, text = "messages", tokenizer.render_chat(request.messages)
     else:
         return
@@ -367,18 +368,6 @@ def check_prompt_bound(request: RecRequest, limits: SearchLimits, tokenizer: Any
             f"{' (with the generation prefix)' if prefix_len else ''}, more than "
             f"max_input_len={limits.max_input_len} ({len(text)} characters, no token longer "
             f"than {tokenizer.max_token_chars})")
-
-
-def _content_chars(messages: Any) -> int:
-    """Characters of the messages' text contents (strings and text parts); others count 0."""
-    total = 0
-    for message in messages if isinstance(messages, (list, tuple)) else ():
-        content = message.get("content") if isinstance(message, dict) else None
-        parts = content if isinstance(content, list) else [content]
-        for part in parts:
-            text = part.get("text") if isinstance(part, dict) else part
-            total += len(text) if isinstance(text, str) else 0
-    return total
 
 
 def xllm_request(req: XllmRequest, request_id: str) -> RecRequest:
