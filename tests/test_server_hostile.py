@@ -236,6 +236,20 @@ def test_idle_connections_are_closed(impatient):
         assert_closed_by_server(sock)
 
 
+@pytest.mark.parametrize("raw", [b"POST /health HTTP/1.1\r\nContent-Length: -1\r\n\r\n",
+                                 b"\x00\x01 not http\r\n\r\n"], ids=["negative-length", "binary"])
+def test_bytes_that_are_not_http_get_a_json_400(served, raw):
+    """uvicorn answered these in text/plain; every refusal has the JSON error shape."""
+    with connect(served.port) as sock:
+        sock.sendall(raw)
+        status, headers, body = read_answer(sock)
+        assert status == 400 and body["error"]["message"].startswith("invalid HTTP request: ")
+        assert_error_shape(body, headers, "INVALID_ARGUMENT")
+        assert headers["connection"] == "close"
+        assert_closed_by_server(sock)
+    assert _health(served.url) == 200
+
+
 def test_blank_lines_do_not_keep_a_connection_open(impatient):
     """The parser skips CRLFs between requests without beginning one; uvicorn stopped the
     keep-alive close at any byte, so a lone CRLF held a connection (and a slot of

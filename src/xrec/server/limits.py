@@ -37,7 +37,8 @@ uvicorn would close it at once. At most `max_connections` connections linger at 
 beyond that they close at once.
 
 The HTTP codes carry the nearest code of `xrec.errors`: 431 PAYLOAD_TOO_LARGE, 408
-DEADLINE_EXCEEDED, 503 UNAVAILABLE (with `Retry-After: 1`). `refusals` counts them by
+DEADLINE_EXCEEDED, 503 UNAVAILABLE (with `Retry-After: 1`), and 400 INVALID_ARGUMENT for
+bytes that are not HTTP (uvicorn answers those in plain text). `refusals` counts them by
 reason (`xrec_http_refusals_total`) when the server is built with a registry.
 """
 
@@ -178,12 +179,12 @@ class LimitedProtocol(HttpToolsProtocol):
         # by any byte: the blank lines httptools skips between requests kept it off forever
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError:
+        except httptools.HttpParserError as exc:
             if self._is_lingering:   # a callback refused the head: nothing more to parse
                 return
-            message = "Invalid HTTP request received."
-            self.logger.warning(message)
-            self.send_400_response(message)
+            # uvicorn answers text/plain; a refusal here has the app's JSON error shape
+            self.logger.warning("invalid HTTP request received: %s", exc)
+            self._refuse(400, "INVALID_ARGUMENT", f"invalid HTTP request: {exc}", "invalid_http")
             return
         except httptools.HttpParserUpgrade:
             if self._should_upgrade():
