@@ -22,7 +22,7 @@ import pytest
 from xrec import RecRequest
 from xrec.cli import main as xrec_main
 from xrec.demo import write_random_model
-from xrec.scale.batch import MANIFEST, BatchJob, load_engine, part_name, run_batch
+from xrec.scale.batch import LOCK, MANIFEST, BatchJob, load_engine, part_name, run_batch
 from xrec.scale.rows import RowSettings, read_output
 
 VOCAB = 64            # the "tiny" size
@@ -86,7 +86,7 @@ def test_jsonl_records_are_the_engines_answers_in_row_order(tmp_path, model_dir,
     assert got == expected_records(engine, rows, 8)
     assert all(len(r["tokens"]) == 4 and all(len(t) == 3 for t in r["tokens"]) for r in got)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == \
-        [MANIFEST] + [part_name(k, "jsonl") for k in range(5)]
+        [LOCK, MANIFEST] + [part_name(k, "jsonl") for k in range(5)]
     manifest = json.loads((tmp_path / "out" / MANIFEST).read_text())
     assert manifest["is_complete"] and manifest["num_done_rows"] == 37
 
@@ -271,6 +271,7 @@ def test_existing_output_is_refused_unless_resume_or_overwrite(tmp_path, model_d
     with pytest.raises(ValueError, match="files that xrec batch did not write \\(notes.txt\\)"):
         run_batch(job(tmp_path, model_dir, source, out="mine", overwrite=True), engine)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]   # no lock file left
 
 
 def test_cli_refusals(tmp_path, model_dir, capsys):

@@ -6,9 +6,14 @@ the engine at once and the next chunk is submitted when this one is answered, so
 the engine's batches are a function of the chunk alone: the scheduler's greedy FIFO
 split of one submission, with one pipeline (with several, a batch's share depends
 on which pipelines are free at the time). Numbers depend on the batch a request
-runs in and on the intra-op thread count, so the Ray path (batch_ray.py), which
-gives each actor exactly one chunk per call and the same `num_threads`, writes the
-same records row for row (scores to fp32 rounding: see batch_ray.py).
+runs in and on the intra-op thread count, so the Ray path (batch_ray.py) gives each
+actor exactly one chunk per call and the same engine options. The same records, row
+for row (scores to fp32 rounding: see batch_ray.py), with and without Ray, and from one
+run to the next, hold with `--adaptive-threads false` and a fixed `--num-threads`. With
+the default (adaptive threads: an engine runs fewer threads while other processes take
+cores), scores can differ in the last bits, and near-ties can swap, as the machine's
+load changes the thread count. The effective setting is in the manifest's identity, so
+a `--resume` under another is refused.
 
 Three threads keep the engine busy: a reader decodes and validates chunk k + 1
 while chunk k runs; a writer turns chunk k - 1's answers into records and writes
@@ -16,11 +21,14 @@ them. The output is a directory of part files, `part-000000.parquet` (or `.jsonl
 per chunk, and a manifest `_xrec_batch.json`. A part file is written under a
 temporary name and renamed, then the manifest (also renamed into place) counts it;
 a killed run leaves at most a part file that the manifest does not count, which a
-`--resume` deletes and writes again: every row exactly once.
+`--resume` deletes and writes again: every row exactly once. A run holds a lock on
+`._xrec_batch.lock` in the output directory from start to end: a second run on the same
+directory fails at once instead of deleting the parts the first has not yet counted.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -30,14 +38,15 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from xrec.errors import XrecError
 from xrec.scale.rows import (InputInfo, RowError, RowSettings, answer_record, check_input,
-                             decode_row, error_record, file_format, id_type_of, iter_chunks,
-                             naming_os_errors, output_schema, write_records)
+                             decode_row, error_record, file_format, iter_chunks, naming_os_errors,
+                             output_records, output_schema_for, write_records)
 
 if TYPE_CHECKING:
     from xrec.engine.engine import Engine
@@ -46,7 +55,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("xrec.batch")
 
 MANIFEST = "_xrec_batch.json"
+HIDDEN = "._xrec_batch."      # xrec batch's own hidden files: the lock, a manifest being written
+LOCK = HIDDEN + "lock"
 DEFAULT_CHUNK_ROWS = 1024
+MAX_CHUNKS = 999_999          # part-{chunk:06d}: past it, names no longer sort in chunk order
 SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl"}
 
 
@@ -60,7 +72,8 @@ def usable_cores() -> int:
 @dataclass(frozen=True)
 class BatchJob:
     """One `xrec batch` run. `engine_options`: `Engine.from_pretrained` options; the batch
-    sets `max_concurrency=1` and `num_threads` (default: this machine's usable cores)."""
+    sets `max_concurrency=1`, `num_threads` (default: this machine's usable cores) and
+    `adaptive_threads` (default: the engine's, resolved: `options`)."""
 
     input: str
     output: str
@@ -88,10 +101,16 @@ class BatchJob:
                              "is not reproducible); use --num-threads, or --ray for more engines")
 
     def options(self) -> dict:
-        """The engine options every engine of this job uses (in process or in a Ray actor)."""
+        """The engine options every engine of this job uses (in process or in a Ray actor).
+        `adaptive_threads` is resolved here (the engine's default follows the environment) so
+        that the identity says what ran: it changes the records (see the module docstring)."""
+        from xrec.engine.threads import adaptive_by_default
+
         options = dict(self.engine_options)
         options["max_concurrency"] = 1
         options.setdefault("num_threads", usable_cores())
+        if options.get("adaptive_threads") is None:
+            options["adaptive_threads"] = adaptive_by_default()
         options["request_queue_size"] = max(options.get("request_queue_size") or 0,
                                             self.chunk_rows, 1024)
         return options
@@ -101,17 +120,48 @@ class BatchJob:
         fmt = file_format(self.input, self.input_format)
         return fmt, file_format(self.output, self.output_format or fmt, "--output")
 
+    def num_chunks(self, info: InputInfo) -> int:
+        """The input's chunks; ValueError past MAX_CHUNKS (part names would sort out of order)."""
+        num_chunks = -(-info.num_rows // self.chunk_rows)
+        if num_chunks > MAX_CHUNKS:
+            raise ValueError(f"--chunk-rows {self.chunk_rows}: {info.num_rows} rows make "
+                             f"{num_chunks} chunks, more than the {MAX_CHUNKS} part files an "
+                             f"output holds; give --chunk-rows {-(-info.num_rows // MAX_CHUNKS)} "
+                             "or more")
+        return num_chunks
+
     def identity(self, info: InputInfo, output_format: str) -> dict:
-        """What a resumed run must share with the run it continues."""
+        """What a resumed run must share with the run it continues: the model's files and the
+        catalog's by size and mtime too (changed in place, the same paths load another model)."""
         stat = os.stat(info.path)
         return {"input": os.path.abspath(info.path), "input_size": stat.st_size,
                 "input_mtime_ns": stat.st_mtime_ns, "input_rows": info.num_rows,
                 "output_format": output_format, "chunk_rows": self.chunk_rows,
                 "model_dir": os.path.abspath(self.model_dir),
+                "model_files": model_files_stamp(self.model_dir),
                 "catalog": None if self.catalog is None else os.path.abspath(self.catalog),
+                "catalog_file": None if self.catalog is None else catalog_stamp(self.catalog),
                 "settings": asdict(self.settings),
                 "engine_options": {k: (list(v) if isinstance(v, tuple) else v)
                                    for k, v in sorted(self.options().items())}}
+
+
+def model_files_stamp(model_dir: str) -> dict[str, list[int]]:
+    """{name: [size, mtime_ns]} of the regular files directly in `model_dir`."""
+    if not os.path.isdir(model_dir):
+        raise ValueError(f"--model {model_dir}: no such directory")
+    with os.scandir(model_dir) as entries:
+        files = sorted((e.name, e.stat()) for e in entries if e.is_file())
+    return {name: [stat.st_size, stat.st_mtime_ns] for name, stat in files}
+
+
+def catalog_stamp(catalog: str) -> list[int]:
+    """[size, mtime_ns] of the catalog file."""
+    try:
+        stat = os.stat(catalog)
+    except FileNotFoundError:
+        raise ValueError(f"--catalog {catalog}: no such file") from None
+    return [stat.st_size, stat.st_mtime_ns]
 
 
 @dataclass
@@ -130,39 +180,86 @@ class BatchSummary:
 
 # ---- the output directory ------------------------------------------------------------------
 
-def prepare_output(job: BatchJob, identity: dict) -> int:
-    """Make `job.output` ready; the number of chunks already written (a resumed run)."""
+@contextmanager
+def hold_output(job: BatchJob) -> Iterator[None]:
+    """`job.output`, made and held by this run alone: an exclusive lock on its LOCK file from
+    before `prepare_output` to the end. Two runs on one directory lose rows: a --resume
+    deletes the part another run has renamed but not yet counted. The lock file stays (an
+    unlinked one could be locked by one run while another locks its replacement)."""
+    check_output(job)   # a refused run leaves no lock file in a directory that is not its own
     out = Path(job.output)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--output {out}: exists and is not a directory")
-    entries = sorted(p.name for p in out.iterdir()) if out.exists() else []
-    if not entries:
+    out.mkdir(parents=True, exist_ok=True)
+    with naming_os_errors(out / LOCK):
+        fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"--output {out}: another xrec batch run is writing it (it holds "
+                             f"{out / LOCK}); wait for it to end, or give another --output") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def is_ours(name: str) -> bool:
+    """A file xrec batch writes: the manifest, its hidden files, a part (or one half written)."""
+    return name == MANIFEST or name.startswith((HIDDEN, "part-", ".part-"))
+
+
+def check_output(job: BatchJob) -> list[str]:
+    """The names in `job.output` ([]: not there yet), or a ValueError where this run must not
+    write there. A directory holding only xrec batch's hidden files (the lock, a manifest a
+    kill left half written) counts as empty."""
+    out = Path(job.output)
+    if not out.exists():
         if job.resume:
-            raise ValueError(f"--resume: {out} holds no earlier run (no {MANIFEST})")
-        out.mkdir(parents=True, exist_ok=True)
-        return 0
-    ours = [name for name in entries if name == MANIFEST or name.startswith(("part-", ".part-"))]
+            raise _no_earlier_run(out)
+        return []
+    if not out.is_dir():
+        raise ValueError(f"--output {out}: exists and is not a directory")
+    entries = sorted(os.listdir(out))
     if job.overwrite:
-        strangers = sorted(set(entries) - set(ours))
+        strangers = [name for name in entries if not is_ours(name)]
         if strangers:
             raise ValueError(f"--overwrite: {out} holds files that xrec batch did not write "
                              f"({', '.join(strangers[:5])}); refusing to delete them")
+    elif job.resume:
+        if MANIFEST not in entries:
+            raise _no_earlier_run(out)
+    elif any(not name.startswith(HIDDEN) for name in entries):
+        raise ValueError(f"--output {out}: exists and is not empty; give --resume to continue "
+                         "the run that wrote it, or --overwrite to replace it")
+    return entries
+
+
+def _no_earlier_run(out: Path) -> ValueError:
+    return ValueError(f"--resume: {out} holds no earlier run (no {MANIFEST})")
+
+
+def prepare_output(job: BatchJob, identity: dict) -> int:
+    """Make `job.output` (held: `hold_output`) ready; the number of chunks already written
+    (a resumed run)."""
+    out = Path(job.output)
+    ours = [name for name in check_output(job) if is_ours(name) and name != LOCK]
+    if not job.resume:   # --overwrite, or an empty directory: anything of ours goes
         for name in ours:
             (out / name).unlink()
         return 0
-    if not job.resume:
-        raise ValueError(f"--output {out}: exists and is not empty; give --resume to continue "
-                         "the run that wrote it, or --overwrite to replace it")
     manifest = read_manifest(out)
     if manifest is None:
-        raise ValueError(f"--resume: {out} holds no earlier run (no {MANIFEST})")
+        raise _no_earlier_run(out)
+    if "ray" in manifest:
+        raise ValueError(f"--resume: {out} was written by a --ray run, which is not resumable "
+                         "(Ray Data writes its parts; its manifest is written once they all "
+                         "are): that output is complete; give --overwrite to write it again")
     differing = [key for key in identity if manifest.get("job", {}).get(key) != identity[key]]
     if differing:
         raise ValueError(f"--resume: {out} was written by a different run ({', '.join(differing)} "
                          "differ); give the same input, model and settings, or --overwrite")
     done = int(manifest["num_done_chunks"])
     kept = {part_name(k, identity["output_format"]) for k in range(done)}
-    for name in ours:   # parts the manifest does not count (written after it, or half written)
+    for name in ours:   # written after the manifest, or half written (a part, the manifest)
         if name != MANIFEST and name not in kept:
             (out / name).unlink()
     return done
@@ -272,25 +369,26 @@ def run_batch(job: BatchJob, engine: EngineFrontend | None = None,
     `owns_process`: see `load_engine`)."""
     input_format, output_format = job.formats()
     info = check_input(job.input, input_format, job.settings)
-    schema = output_schema(id_type_of(info)) if output_format == "parquet" else None
+    schema = output_schema_for(info, output_format)
+    num_chunks = job.num_chunks(info)
     identity = job.identity(info, output_format)
     out = Path(job.output)
-    start_chunk = prepare_output(job, identity)
-    num_chunks = -(-info.num_rows // job.chunk_rows)
-    done_rows = min(start_chunk * job.chunk_rows, info.num_rows)
-    if start_chunk >= num_chunks:
-        write_manifest(out, identity, num_chunks, info.num_rows, True)
-        return BatchSummary(0, 0, 0.0, str(out), done_rows)
-    write_manifest(out, identity, start_chunk, done_rows, False)
-    own_engine = engine is None
-    if own_engine:
-        engine = load_engine(job.model_dir, job.catalog, job.options(), owns_process)
-    try:
-        return _pipeline(job, engine, info, identity, schema, output_format, start_chunk,
-                         num_chunks, done_rows)
-    finally:
+    with hold_output(job):
+        start_chunk = prepare_output(job, identity)
+        done_rows = min(start_chunk * job.chunk_rows, info.num_rows)
+        if start_chunk >= num_chunks:
+            write_manifest(out, identity, num_chunks, info.num_rows, True)
+            return BatchSummary(0, 0, 0.0, str(out), done_rows)
+        write_manifest(out, identity, start_chunk, done_rows, False)
+        own_engine = engine is None
         if own_engine:
-            engine.close()
+            engine = load_engine(job.model_dir, job.catalog, job.options(), owns_process)
+        try:
+            return _pipeline(job, engine, info, identity, schema, output_format, start_chunk,
+                             num_chunks, done_rows)
+        finally:
+            if own_engine:
+                engine.close()
 
 
 def _pipeline(job: BatchJob, engine: EngineFrontend, info: InputInfo, identity: dict, schema: Any,
@@ -338,7 +436,7 @@ def _pipeline(job: BatchJob, engine: EngineFrontend, info: InputInfo, identity: 
                 if item is _DONE:
                     return
                 index, prepared, futures = item
-                records = chunk_records(prepared, futures)
+                records = output_records(chunk_records(prepared, futures), schema)
                 write_records(out / part_name(index, output_format), records, output_format, schema)
                 rows += len(records)
                 counts["rows"] += len(records)

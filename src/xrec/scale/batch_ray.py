@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xrec.scale.batch import (BatchJob, BatchSummary, MANIFEST, load_engine, prepare_output,
-                              run_chunk, write_manifest)
-from xrec.scale.rows import (InputInfo, RowSettings, check_input, id_type_of, output_schema,
-                             records_jsonl, records_table)
+from xrec.scale.batch import (BatchJob, BatchSummary, MANIFEST, hold_output, load_engine,
+                              prepare_output, run_chunk, write_manifest)
+from xrec.scale.rows import (InputInfo, RowSettings, check_input, count_errors, output_records,
+                             output_schema_for, records_jsonl, records_table)
 
 logger = logging.getLogger("xrec.batch")
 
@@ -123,7 +123,7 @@ class ChunkActor:
         import pyarrow as pa
 
         raws = table.column("text").to_pylist() if self.input_format == "jsonl" else table.to_pylist()
-        records = run_chunk(self.engine, raws, self.settings)
+        records = output_records(run_chunk(self.engine, raws, self.settings), self.schema)
         if self.output_format == "parquet":
             return records_table(records, self.schema)
         return pa.table({"jsonl": pa.array([records_jsonl([r]) for r in records], pa.binary())})
@@ -137,30 +137,32 @@ def run_batch_ray(job: BatchJob, options: RayOptions) -> BatchSummary:
     info = check_input(job.input, input_format, job.settings)
     if info.format == "jsonl":
         _check_utf8(info.path)
-    schema = output_schema(id_type_of(info)) if output_format == "parquet" else None
+    schema = output_schema_for(info, output_format)
+    num_chunks = job.num_chunks(info)
     identity = job.identity(info, output_format)
     out = Path(job.output).resolve()
-    prepare_output(job, identity)
-    is_local = connect(options.address)
-    try:
-        # what is free now: Serve replicas or other jobs may hold part of the cluster
-        cluster_cpus = float(ray.available_resources().get("CPU", 0))
-        engine_options = job.options()
-        num_actors, actor_cpus = pool_size(cluster_cpus, engine_options["num_threads"], options)
-        logger.info("xrec batch --ray: %d actor(s) x %g CPU(s), %d intra-op thread(s) each, on a "
-                    "cluster of %g CPUs", num_actors, actor_cpus, engine_options["num_threads"],
-                    cluster_cpus)
-        started = time.perf_counter()
-        dataset = _dataset(info, job, engine_options, schema, output_format, num_actors, actor_cpus,
-                           options.actor_gpus)
-        _write(dataset, out, output_format, job.progress)
-        seconds = time.perf_counter() - started
-    finally:
-        if is_local:
-            ray.shutdown()
-    num_errors = _count_errors(out, output_format)
-    write_manifest(out, identity, -(-info.num_rows // job.chunk_rows), info.num_rows, True,
-                   ray={"actors": num_actors, "actor_cpus": actor_cpus})
+    with hold_output(job):
+        prepare_output(job, identity)
+        is_local = connect(options.address)
+        try:
+            # what is free now: Serve replicas or other jobs may hold part of the cluster
+            cluster_cpus = float(ray.available_resources().get("CPU", 0))
+            engine_options = job.options()
+            num_actors, actor_cpus = pool_size(cluster_cpus, engine_options["num_threads"], options)
+            logger.info("xrec batch --ray: %d actor(s) x %g CPU(s), %d intra-op thread(s) each, "
+                        "on a cluster of %g CPUs", num_actors, actor_cpus,
+                        engine_options["num_threads"], cluster_cpus)
+            started = time.perf_counter()
+            dataset = _dataset(info, job, engine_options, schema, output_format, num_actors,
+                               actor_cpus, options.actor_gpus)
+            _write(dataset, out, output_format, job.progress)
+            seconds = time.perf_counter() - started
+        finally:
+            if is_local:
+                ray.shutdown()
+        num_errors = count_errors(out)
+        write_manifest(out, identity, num_chunks, info.num_rows, True,
+                       ray={"actors": num_actors, "actor_cpus": actor_cpus})
     return BatchSummary(info.num_rows, num_errors, seconds, str(out))
 
 
@@ -223,11 +225,6 @@ def _write(dataset: Any, out: Path, output_format: str, progress: bool) -> None:
                 file.write(line)
 
     dataset.write_datasink(JsonlDatasink(str(out), filename_provider=PartNames(".jsonl")))
-
-
-def _count_errors(out: Path, output_format: str) -> int:
-    from xrec.scale.rows import read_output
-    return sum(r["error"] is not None for r in read_output(out)) if out.exists() else 0
 
 
 __all__ = ["RayOptions", "run_batch_ray", "connect", "pool_size", "ChunkActor", "MANIFEST"]

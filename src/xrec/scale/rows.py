@@ -15,10 +15,11 @@ Output: one record per input row, in input order:
     error    null, or "CODE: message" for a row that failed (its lists are empty)
 
 A row that fails (a malformed JSON line or one that is not UTF-8, no input, a request
-the engine refuses: a boolean among its ids, a bad `exclude_items`) gets an error record
-and the run goes on; a file-level problem (no id column, no input column, an unreadable
-file, a Parquet `exclude_items` column that is not a list of integers) stops the run
-before anything is written.
+the engine refuses: a boolean among its ids, a bad `exclude_items`, an id that does not fit
+the output's int64 id column) gets an error record and the run goes on; a file-level
+problem (no id column, no input column, an unreadable file, a Parquet `exclude_items`
+column that is not a list of integers, a Parquet id column that JSONL output cannot hold)
+stops the run before anything is written.
 
 JSONL lines are split as Ray Data's `read_text` splits them (`str.splitlines`, blank
 lines dropped), so both paths number the same rows; but a line that is not UTF-8 fails
@@ -277,6 +278,33 @@ def output_schema(id_type: Any) -> Any:
                       ("error", pa.string())])
 
 
+def output_schema_for(info: InputInfo, output_format: str) -> Any:
+    """The output's Parquet schema (None: JSONL output), checked before anything runs: a
+    Parquet id column that JSONL cannot hold (binary, decimal, timestamp...) is refused here,
+    not by the writer once the model has loaded and the first chunk has run."""
+    if output_format == "parquet":
+        return output_schema(id_type_of(info))
+    if info.format == "parquet":
+        kind = id_type_of(info)
+        if not _is_json_id_type(kind):
+            raise ValueError(f"--input {info.path}: id column {info.columns[0]!r} is {kind}; "
+                             "JSONL output takes integer, float, boolean or string ids; write "
+                             "Parquet output (--output-format parquet), which keeps the column's "
+                             "type")
+    return None
+
+
+def _is_json_id_type(kind: Any) -> bool:
+    """Whether ids of this Arrow type come out of `to_pylist` as values orjson writes as
+    JSON scalars (null: every row has no id, each an error record)."""
+    pa, _ = pyarrow_modules()
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return any(test(kind) for test in (pa.types.is_integer, pa.types.is_floating,
+                                       pa.types.is_boolean, pa.types.is_null, pa.types.is_string,
+                                       pa.types.is_large_string, pa.types.is_string_view))
+
+
 def id_type_of(info: InputInfo) -> Any:
     """The output's id type: the Parquet column's, or (JSONL) int64 when the first id is an
     integer, else string."""
@@ -288,11 +316,44 @@ def id_type_of(info: InputInfo) -> Any:
     return pa.int64() if isinstance(value, int) and not isinstance(value, bool) else pa.string()
 
 
-def records_table(records: Sequence[dict], schema: Any) -> Any:
+def output_records(records: Sequence[dict], schema: Any) -> list[dict]:
+    """`records` as the output file holds them (`schema`: Parquet's, None for JSONL): in a
+    string id column an id is its text; in an int64 one (JSONL input whose first id is an
+    integer), a row whose id is not an int64 integer becomes an error record, never a
+    truncated id, nor a failed chunk that fails every --resume again. Both paths call this
+    before writing, so they write, and count, the same records."""
+    if schema is None:
+        return list(records)
     pa, _ = pyarrow_modules()
-    if pa.types.is_string(schema.field("id").type):
-        records = [r if r["id"] is None or isinstance(r["id"], str) else {**r, "id": str(r["id"])}
-                   for r in records]
+    kind = schema.field("id").type
+    if pa.types.is_string(kind):
+        return [r if r["id"] is None or isinstance(r["id"], str) else {**r, "id": str(r["id"])}
+                for r in records]
+    if pa.types.is_int64(kind):
+        return [_int64_id_record(r) for r in records]
+    return list(records)
+
+
+def _int64_id_record(record: dict) -> dict:
+    """`record`, or an error record when its id does not fit an int64 column."""
+    row_id = record["id"]
+    if row_id is None or type(row_id) is int and -2 ** 63 <= row_id < 2 ** 63:
+        return record
+    what = "an integer out of int64's range" if type(row_id) is int else \
+        f"a {_JSON_TYPES.get(type(row_id), type(row_id).__name__)}"
+    shown = repr(row_id) if len(repr(row_id)) <= 40 else repr(row_id)[:37] + "..."
+    return error_record(None, "INVALID_ARGUMENT",
+                        f"id {shown} is {what}, but the first row's id typed the output's id "
+                        "column as integers (int64); write JSONL output (--output-format jsonl) "
+                        "or give every row an integer id")
+
+
+_JSON_TYPES = {str: "string", float: "float", bool: "boolean", list: "list", dict: "JSON object"}
+
+
+def records_table(records: Sequence[dict], schema: Any) -> Any:
+    """`output_records(..., schema)` as a pyarrow table."""
+    pa, _ = pyarrow_modules()
     return pa.Table.from_pylist(list(records), schema=schema)
 
 
@@ -341,3 +402,21 @@ def read_output(directory: str | os.PathLike) -> list[dict]:
         elif path.suffix == ".jsonl":
             records.extend(orjson.loads(line) for line in path.read_bytes().splitlines() if line)
     return records
+
+
+def count_errors(directory: str | os.PathLike) -> int:
+    """The error records of an output directory (a --ray run's summary), one part file at a
+    time: Parquet's `error` column alone, JSONL line by line; never the whole output in memory
+    (`read_output` holds every record)."""
+    count = 0
+    for path in Path(directory).iterdir():
+        if path.name.startswith((".", "_")):
+            continue
+        if path.suffix == ".parquet":
+            _, pq = pyarrow_modules()
+            errors = pq.read_table(path, columns=["error"]).column("error")
+            count += len(errors) - errors.null_count
+        elif path.suffix == ".jsonl":
+            with open(path, "rb") as f:
+                count += sum(orjson.loads(line)["error"] is not None for line in f if line.strip())
+    return count
