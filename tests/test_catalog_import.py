@@ -300,6 +300,40 @@ def test_from_model_dir_naming_rules(tmp_path):
                        ({"item_catalog": "a.bin", "extended_item_info": 1}, "extended_item_info")):
         with pytest.raises(CatalogError, match=match):
             load(**bad)
+    # a .txt catalog in the wrong shape is read as a catalog and refused, not taken for a
+    # tokenizer's vocabulary (which left the engine unconstrained, said at INFO level only)
+    for name, text, match in (("five.txt", "1,2,3,4,5\n", "5 comma-separated field"),
+                              ("semicolons.txt", "1;2;3;4\n", "1 comma-separated field")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(CatalogError, match=match):
+            load(vocab_file=name)
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf10,1,2,3\n11,4,5,6\n")
+    assert load(vocab_file="bom.txt") == [10, 11]   # a BOM: still a catalog, read whole
+    (tmp_path / "tokenizer_config.json").write_text("[]")
+    with pytest.raises(CatalogError, match="expected a JSON object, got list"):
+        ItemCatalog.from_model_dir(tmp_path, 16)
+
+
+def test_a_bom_is_not_part_of_the_first_item_id(tmp_path, tokenizer):
+    """Excel writes CSV with a BOM: its first row's id read as "\ufeff1", which made the row
+    a header and dropped the first item without a word."""
+    path = tmp_path / "items.csv"
+    path.write_bytes("\ufeff1,<s_a_1>,<s_b_2>,<s_c_3>\n2,<s_a_4>,<s_b_5>,<s_c_6>\n".encode())
+    assert import_token_csv(path, tokenizer, V).item_ids.tolist() == [1, 2]
+    text = tmp_path / "items.txt"
+    text.write_bytes("\ufeff1,1,2,3\n".encode())
+    assert ItemCatalog.read(text, V).item_ids.tolist() == [1]
+
+
+def test_cli_refuses_an_import_without_items(tmp_path, model_dir, capsys):
+    """It wrote an empty catalog and named it in the model directory, which then could not
+    serve ("the catalog has no items")."""
+    before = {p.name: p.read_bytes() for p in model_dir.iterdir()}
+    path = tmp_path / "items.csv"
+    path.write_text("item_id,t0,t1,t2\n")
+    assert main(["import", "--model", str(model_dir), "--format", "csv", str(path)]) == 1
+    assert f"{path}: no items to import; nothing written" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in model_dir.iterdir()} == before
 
 
 # --- the text reader and the CSV importer agree; files that are no regular file (issue 28) ---

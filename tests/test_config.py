@@ -6,6 +6,8 @@ The defaults below are copied from the spec's table, not from the code under tes
 from __future__ import annotations
 
 import json
+import math
+import os
 
 import pytest
 
@@ -194,6 +196,11 @@ REFUSALS = [
     ({"moe_route_scale": "2"}, "moe_route_scale", "'2'"),
     ({"layer_norm_epsilon": "1e-6"}, "layer_norm_epsilon", "'1e-6'"),
     ({"layer_norm_epsilon": 0}, "layer_norm_epsilon", "0"),
+    ({"layer_norm_epsilon": math.inf}, "layer_norm_epsilon", "inf"),   # JSON's Infinity, 1e999
+    ({"layer_norm_epsilon": 10 ** 400}, "layer_norm_epsilon", "401 digits"),
+    ({"num_layers": 1025}, "num_layers", "1025"),                        # built before matched
+    ({"num_decoder_layers": 10 ** 8}, "num_decoder_layers", "100000000"),
+    ({"use_moe": True, "moe_num_experts": 16385, "moe_topk": 1}, "moe_num_experts", "16385"),
     ({"model_type": "bert"}, "model_type", "'bert'"),
     ({"model_type": "T5"}, "model_type", "'T5'"),
     ({"bos_token_id": 64}, "bos_token_id", "64"),
@@ -239,6 +246,26 @@ def test_limits_are_inclusive():
     # absolute mode has no buckets to check; MoE keys are not checked without MoE
     ModelConfig.from_dict({**SMALL, "use_absolute_position_embedding": True, "relative_attention_max_distance": 2})
     ModelConfig.from_dict({**SMALL, "moe_topk": 99, "moe_use_shared_experts": True})
+
+
+def test_config_files_that_are_not_json_text_name_the_file(tmp_path):
+    """A FIFO blocked the read, /dev/zero read until memory ran out, and bytes that are not
+    UTF-8 or nest too deep raised without the file's name."""
+    path = tmp_path / "config.json"
+    os.mkfifo(path)
+    with pytest.raises(ValueError, match=r"config.json: not a regular file \(a FIFO\)"):
+        ModelConfig.from_file(path)
+    path.unlink()
+    path.symlink_to("/dev/zero")
+    with pytest.raises(ValueError, match=r"config.json: not a regular file \(a character device\)"):
+        ModelConfig.from_file(path)
+    path.unlink()
+    path.write_bytes(b"\xff{}")
+    with pytest.raises(ValueError, match=r"config.json is not UTF-8 text"):
+        ModelConfig.from_file(path)
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match=r"config.json: JSON nested too deeply"):
+        ModelConfig.from_file(path)
 
 
 def test_from_file_errors(tmp_path):

@@ -756,6 +756,28 @@ def test_non_finite_weight_is_refused_naming_the_tensor(tmp_path, value, names):
     assert "2 non-finite values" in message and f"of {sd[name].numel()}" in message
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.uint8,
+                                   torch.complex64, torch.float8_e4m3fn])
+def test_a_weight_that_is_not_floating_point_is_refused_naming_it(tmp_path, dtype):
+    """Integer, boolean and complex weights were cast to the model's dtype (a silently wrong
+    model: the CLI answered scores of 0.0); float8 failed inside torch without a name."""
+    sd = random_state_dict(ERROR_CONFIG, seed=71)
+    name = "shared.weight"
+    sd[name] = sd[name].to(dtype)
+    message = _error(save_checkpoint(tmp_path, ERROR_CONFIG, sd))
+    assert repr(name) in message and str(tmp_path / "model.safetensors") in message, message
+    assert f"has dtype {str(dtype).removeprefix('torch.')}; weights are read from float16, " \
+        "bfloat16, float32, float64" in message
+
+
+def test_a_checkpoint_file_that_is_not_a_regular_file_is_refused(tmp_path):
+    """A FIFO named *.safetensors blocked the load for good."""
+    save_checkpoint(tmp_path, ERROR_CONFIG, random_state_dict(ERROR_CONFIG, seed=72))
+    os.mkfifo(tmp_path / "extra.safetensors")
+    message = _error(tmp_path)
+    assert f"{tmp_path / 'extra.safetensors'}: not a regular file (a FIFO)" in message, message
+
+
 def test_weight_beyond_the_target_dtype_is_refused(tmp_path):
     """float32 weights that overflow float16 would turn inf in the cast: refused too."""
     sd = random_state_dict(ERROR_CONFIG, seed=70)

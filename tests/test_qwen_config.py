@@ -64,6 +64,13 @@ def test_moe_layer_rule_and_bias_flags():
     (dict(tie_word_embeddings="yes"), "tie_word_embeddings"),
     (dict(model_type="llama"), "model_type"),
     (dict(mlp_only_layers=[9]), "mlp_only_layers"),
+    (dict(layer_types=3), "layer_types': got 3, expected a list of strings"),
+    (dict(layer_types="full_attention"), "layer_types': got full_attention, expected a list"),
+    (dict(rms_norm_eps=float("inf")), "rms_norm_eps': got inf, expected a finite number"),
+    (dict(rope_theta=10 ** 400), "rope_theta': got an integer of 401 digits"),
+    (dict(num_hidden_layers=2000), "num_hidden_layers': got 2000, expected an integer >= 1 and "
+                                   "<= 1024"),
+    (dict(num_experts=20000), "num_experts': got 20000"),
 ])
 def test_unsupported_settings_are_refused_naming_the_key(change, key):
     raw = {**hf_config_dict("qwen3_moe"), **change}

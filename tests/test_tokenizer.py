@@ -206,6 +206,10 @@ def test_template_sources(tmp_path):
         configure({"chat_template": "{% if %}"})
     with pytest.raises(ValueError, match="chat_template"):
         configure({"chat_template": 5})
+    (tmp_path / "chat_template.jinja").write_bytes(b"\xff{{ 1 }}")   # raised without the file's name
+    with pytest.raises(ValueError, match=r"chat_template.jinja: 'utf-8' codec can't decode"):
+        PromptTokenizer.from_model_dir(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink()
     (tmp_path / "tokenizer_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="tokenizer_config.json"):
         PromptTokenizer.from_model_dir(tmp_path)

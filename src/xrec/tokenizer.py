@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from xrec.errors import InvalidArgument
+from xrec.utils.files import read_regular_file
 
 __all__ = ["PromptTokenizer"]
 
@@ -78,14 +79,23 @@ def _template_environment():
     return env
 
 
+MAX_TEXT_FILE_BYTES = 64 << 20   # a tokenizer_config.json or chat template is KiBs
+
+
+def _read_text(path: Path) -> str:
+    """A UTF-8 regular file of bounded size (`FileRefused` or UnicodeDecodeError, both
+    ValueErrors, without the path: callers name it)."""
+    return read_regular_file(path, MAX_TEXT_FILE_BYTES).decode("utf-8")
+
+
 def _read_config(model_dir: Path) -> dict[str, Any]:
     path = model_dir / CONFIG_FILE
     if not path.is_file():
         return {}
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: cannot read it as JSON ({exc})") from exc
+        config = json.loads(_read_text(path))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ValueError(f"{path}: cannot read it as JSON ({exc})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
     return config
@@ -95,7 +105,10 @@ def _find_template(model_dir: Path, config: dict[str, Any]) -> tuple[str | None,
     """(the template or None, where it came from or, when None, where xrec looked)."""
     template_path, config_path = model_dir / TEMPLATE_FILE, model_dir / CONFIG_FILE
     if template_path.is_file():
-        return template_path.read_text(encoding="utf-8"), str(template_path)
+        try:
+            return _read_text(template_path), str(template_path)
+        except ValueError as exc:
+            raise ValueError(f"{template_path}: {exc}") from None
     template, looked = config.get("chat_template"), ""
     if isinstance(template, list):  # named templates [{"name": ..., "template": ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}

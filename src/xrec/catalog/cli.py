@@ -92,6 +92,8 @@ def run_catalog_import(args: argparse.Namespace) -> int:
     """The `xrec catalog import` handler: 0 on success; errors are ValueError / OSError."""
     model_dir = Path(args.model)
     catalog = import_catalog(model_dir, args.format, args.input, args.codebook_size)
+    if catalog.num_items == 0:   # it would be written and named, and the model then unservable
+        raise ValueError(f"{args.input}: no items to import; nothing written")
     out = Path(args.out) if args.out else model_dir / CATALOG_FILE
     catalog.write(out)
     summary = (f"imported {catalog.num_items} items, {catalog.num_triples} distinct semantic "

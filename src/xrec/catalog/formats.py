@@ -169,7 +169,7 @@ def read_text(path: str | os.PathLike, vocab_size: int) -> CatalogColumns:
     (`is_header_row`) are skipped."""
     path = Path(path)
     try:
-        text = _read_bytes(path).decode("utf-8")
+        text = _read_bytes(path).decode("utf-8-sig")   # a BOM is dropped
     except UnicodeDecodeError as exc:
         raise CatalogError(f"catalog {path}: byte offset {exc.start} is not UTF-8") from None
     rows = []

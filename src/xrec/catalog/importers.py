@@ -45,7 +45,7 @@ _LEVEL_LETTERS = "abc"
 
 def _read_text(path: Path) -> str:
     try:
-        return read_regular_file(path).decode("utf-8")
+        return read_regular_file(path).decode("utf-8-sig")   # a BOM (Excel's CSV) is dropped
     except FileRefused as exc:
         raise CatalogError(f"cannot read {path}: {exc}") from None
     except UnicodeDecodeError as exc:

@@ -30,6 +30,8 @@ TEXT_SUFFIXES = (".txt", ".csv")
 # a vocab_file with one of these suffixes is a tokenizer vocabulary (from_model_dir)
 TOKENIZER_VOCABULARY_SUFFIXES = (".json", ".model", ".tiktoken", ".vocab")
 _CATALOG_TEXT_LINE = re.compile(r"-?\d+(\s*,\s*-?\d+){3}")
+# numbers and separators only: a catalog row in the wrong shape (5 fields, `;`), not a token
+_CATALOG_LIKE_LINE = re.compile(r"[-+\d]+([\s,;|]+[-+\d]+)+")
 logger = logging.getLogger(__name__)
 _MAX_RANDOM_ITEM_ID = 1 << 62
 
@@ -79,7 +81,7 @@ def _is_tokenizer_vocabulary(path: Path) -> bool:
     if suffix != ".txt" or not path.is_file():
         return False
     try:
-        with open(path, encoding="utf-8", errors="replace") as lines:
+        with open(path, encoding="utf-8-sig", errors="replace") as lines:
             first = True
             for line in lines:
                 stripped = line.strip()
@@ -88,7 +90,8 @@ def _is_tokenizer_vocabulary(path: Path) -> bool:
                 if first and catalog_io.is_header_row(stripped.split(",")):
                     first = False   # a catalog's header (`item_id,t0,t1,t2`): look further
                     continue
-                return _CATALOG_TEXT_LINE.fullmatch(stripped) is None
+                return _CATALOG_TEXT_LINE.fullmatch(stripped) is None and \
+                    _CATALOG_LIKE_LINE.fullmatch(stripped) is None
     except OSError:
         return False  # read() names the error
     return False
@@ -230,7 +233,7 @@ class ItemCatalog:
         except (OSError, ValueError) as exc:
             raise CatalogError(f"{config_path}: cannot read it as JSON ({exc})") from exc
         if not isinstance(config, dict):
-            return None
+            raise CatalogError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
         key = "item_catalog" if "item_catalog" in config else "vocab_file"
         if key not in config:
             return None
@@ -242,8 +245,9 @@ class ItemCatalog:
                                f"expected true or false")
         path = Path(model_dir) / catalog_file
         if key == "vocab_file" and _is_tokenizer_vocabulary(path):
-            logger.info("%s: vocab_file %s is a tokenizer vocabulary, not an item catalog; no "
-                        "catalog (name one with \"item_catalog\")", config_path, catalog_file)
+            logger.warning("%s: vocab_file %s is a tokenizer vocabulary, not an item catalog; "
+                           "no catalog, decoding is unconstrained (name one with "
+                           "\"item_catalog\")", config_path, catalog_file)
             return None
         return cls.read(path, vocab_size, extended)
 

@@ -3,15 +3,35 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
+from xrec.utils.files import FileRefused, read_regular_file
+
 DTYPES = ("float32", "bfloat16", "float16")
+MAX_CONFIG_BYTES = 16 << 20   # a config.json is a few KiB
 
 
-def check_positive(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"config key {name!r}: got {value!r}, expected an integer >= 1")
+# Layer and expert counts past these are typos: the deepest public models have under 130
+# layers and 512 experts, and a model is built module by module before its checkpoint is
+# matched (20,000 layers took a minute and 1.3 GB on the meta device; 10**8 ran out of memory).
+MAX_LAYERS = 1024
+MAX_EXPERTS = 16384
+
+
+def check_positive(name: str, value: Any, most: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1 or \
+            (most is not None and value > most):
+        bound = "" if most is None else f" and <= {most}"
+        raise ValueError(f"config key {name!r}: got {value!r}, expected an integer >= 1{bound}")
+
+
+def check_epsilon(name: str, value: float) -> None:
+    """A norm's epsilon: finite and positive (JSON's `Infinity` and `1e999` read as inf, which
+    makes every normalised row 0 and every beam tie)."""
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"config key {name!r}: got {value!r}, expected a finite number > 0")
 
 
 def get_key(raw: dict[str, Any], key: str, default: Any, kind: type) -> Any:
@@ -28,7 +48,11 @@ def get_key(raw: dict[str, Any], key: str, default: Any, kind: type) -> Any:
     elif kind is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"config key {key!r}: got {value!r}, expected a number")
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:   # an integer of hundreds of digits
+            raise ValueError(f"config key {key!r}: got an integer of {len(str(value))} digits, "
+                             "beyond a float's range") from None
     return value
 
 
@@ -44,12 +68,18 @@ def dtype_name(value: Any) -> str:
 def read_json(path: str | Path) -> dict[str, Any]:
     """A config.json as a dict; ValueError naming the file when it is missing or not an object."""
     path = Path(path)
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"no config.json at {path}") from None
+    if not path.exists() and not path.is_symlink():
+        raise ValueError(f"no config.json at {path}")
+    try:   # a regular file of bounded size: a FIFO blocked, /dev/zero read until memory ran out
+        raw = json.loads(read_regular_file(path, MAX_CONFIG_BYTES).decode())
+    except FileRefused as e:
+        raise ValueError(f"{path}: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text: {e}") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     return raw

@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from xrec.config.keys import DTYPES, check_positive, dtype_name, get_key, read_json
+from xrec.config.keys import (DTYPES, MAX_EXPERTS, MAX_LAYERS, check_epsilon, check_positive,
+                              dtype_name, get_key, read_json)
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,8 @@ class ModelConfig:
                      "head_dim", "num_kv_heads", "decoder_num_heads", "decoder_head_dim",
                      "decoder_num_kv_heads", "vocab_size", "relative_attention_num_buckets",
                      "relative_attention_max_distance"):
-            check_positive(_ONEREC_RENAMES.get(name, name), getattr(self, name))  # the config.json key
+            most = MAX_LAYERS if name.endswith("layers") else None
+            check_positive(_ONEREC_RENAMES.get(name, name), getattr(self, name), most)  # its key
         for heads, kv, prefix in ((self.num_heads, self.num_kv_heads, ""),
                                   (self.decoder_num_heads, self.decoder_num_kv_heads, "decoder_")):
             if heads % kv:
@@ -75,13 +77,11 @@ class ModelConfig:
             raise ValueError(f"config key 'bos_token_id' ('decoder_start_token_id' in the t5 dialect): "
                              f"got {self.bos_token_id}, "
                              f"expected 0 <= id < vocab_size={self.vocab_size}")
-        if not self.layer_norm_epsilon > 0:
-            raise ValueError(f"config key 'layer_norm_epsilon': got {self.layer_norm_epsilon!r}, "
-                             "expected a positive number")
+        check_epsilon("layer_norm_epsilon", self.layer_norm_epsilon)
         if self.torch_dtype not in DTYPES:
             raise ValueError(f"config key 'torch_dtype': got {self.torch_dtype!r}, allowed: {DTYPES}")
         if self.use_moe:
-            check_positive("moe_num_experts", self.moe_num_experts)
+            check_positive("moe_num_experts", self.moe_num_experts, MAX_EXPERTS)
             check_positive("moe_inter_dim", self.moe_inter_dim)
             if not 1 <= self.moe_topk <= self.moe_num_experts:
                 raise ValueError(f"config key 'moe_topk': got {self.moe_topk}, expected "

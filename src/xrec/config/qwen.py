@@ -13,7 +13,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from xrec.config.keys import check_positive, dtype_name, get_key
+from xrec.config.keys import (MAX_EXPERTS, MAX_LAYERS, check_epsilon, check_positive, dtype_name,
+                              get_key)
 
 MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe")
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -57,7 +58,8 @@ class QwenConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim",
                      "max_position_embeddings", "decoder_sparse_step"):
-            check_positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name),
+                           MAX_LAYERS if name == "num_hidden_layers" else None)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"config key 'num_key_value_heads': got {self.num_key_value_heads}, which "
                              f"does not divide num_attention_heads={self.num_attention_heads}")
@@ -65,10 +67,9 @@ class QwenConfig:
             raise ValueError(f"config key 'head_dim': got {self.head_dim}, RoPE needs an even head_dim")
         if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
             raise ValueError(f"config key 'rope_theta': got {self.rope_theta!r}, expected a number > 0")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"config key 'rms_norm_eps': got {self.rms_norm_eps!r}, expected > 0")
+        check_epsilon("rms_norm_eps", self.rms_norm_eps)
         if self.model_type == "qwen3_moe":
-            check_positive("num_experts", self.num_experts)
+            check_positive("num_experts", self.num_experts, MAX_EXPERTS)
             check_positive("moe_intermediate_size", self.moe_intermediate_size)
             if not 1 <= self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(f"config key 'num_experts_per_tok': got {self.num_experts_per_tok}, "
@@ -245,6 +246,10 @@ def _refuse_unsupported(raw: dict[str, Any]) -> None:
         raise ValueError("config key 'use_sliding_window': got true; xrec implements full attention "
                          "only (use_sliding_window false)")
     layer_types = raw.get("layer_types")
+    if layer_types is not None and not (isinstance(layer_types, list)
+                                        and all(isinstance(t, str) for t in layer_types)):
+        raise ValueError(f"config key 'layer_types': got {str(layer_types)[:80]}, expected a list "
+                         "of strings")
     if layer_types and any(t != "full_attention" for t in layer_types):
         raise ValueError(f"config key 'layer_types': got {sorted(set(layer_types))}, allowed: "
                          "'full_attention' only")

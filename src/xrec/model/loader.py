@@ -22,6 +22,7 @@ from xrec.config import FamilyConfig, read_model_config
 from xrec.model.family import RecModel
 from xrec.model.layers import stack_weights
 from xrec.model.registry import model_class
+from xrec.utils.files import FileRefused, check_regular_file
 
 
 class CheckpointError(ValueError):
@@ -56,6 +57,7 @@ def read_checkpoint(model_dir: Path, config: FamilyConfig) -> dict[str, torch.Te
                         f"{list(f.get_slice(raw).get_shape())}")
                 tensors[name] = _read_tensor(f, raw, path)
                 shown = repr(name) if raw == name else f"{name!r} ({raw!r})"
+                _check_weight_dtype(tensors[name], shown, path)
                 _check_finite(tensors[name], shown, f"in {path}")
                 origin[name] = (raw, path.name)
     try:
@@ -138,8 +140,10 @@ def _open_safetensors(path: Path) -> Iterator[Any]:
     """`safe_open(path)`; an unreadable file is the OS's error with the path (safetensors says
     "No such file or directory" for a permission problem too), a file that is not safetensors
     (truncated, corrupt) one `CheckpointError` line naming it."""
-    with open(path, "rb"):   # PermissionError, IsADirectoryError, ... with the path
-        pass
+    try:   # a regular file, opened without blocking (a FIFO named *.safetensors hung)
+        check_regular_file(path)
+    except FileRefused as e:
+        raise CheckpointError(f"{path}: {e}") from None
     try:
         handle = safe_open(str(path), framework="pt", device="cpu")
     except SafetensorError as e:
@@ -155,6 +159,19 @@ def _read_tensor(f: Any, raw: str, path: Path) -> torch.Tensor:
     except SafetensorError as e:
         raise CheckpointError(f"{path}: tensor {raw!r} cannot be read ({e}): the file is "
                               "corrupt") from None
+
+
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_weight_dtype(tensor: torch.Tensor, name: str, path: Path) -> None:
+    """Weights are floating point: an integer, boolean or complex tensor cast to the model's
+    dtype loaded as a silently wrong model, and float8 failed deep inside torch."""
+    if tensor.dtype not in WEIGHT_DTYPES:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in WEIGHT_DTYPES)
+        raise CheckpointError(f"tensor {name} in {path} has dtype "
+                              f"{str(tensor.dtype).removeprefix('torch.')}; weights are read "
+                              f"from {allowed}")
 
 
 def _check_finite(tensor: torch.Tensor, name: str, where: str) -> None:
