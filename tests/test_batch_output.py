@@ -21,46 +21,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from xrec.demo import write_random_model
+from test_batch import (OPTIONS, SETTINGS, VOCAB, WAIT_S, engine, job, model_dir,  # fixtures too
+                        token_rows, write_jsonl)
+
 from xrec.scale import batch, rows
-from xrec.scale.batch import MANIFEST, BatchJob, load_engine, part_name, run_batch, write_manifest
-from xrec.scale.rows import InputInfo, RowSettings, read_output
-
-VOCAB = 64            # the "tiny" size
-WAIT_S = 120.0        # bounded waits: a hang fails instead of blocking the suite
-SETTINGS = RowSettings(beam_width=4)
-OPTIONS = {"num_threads": 1}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return write_random_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", seed=0,
-                              num_items=500)
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir):
-    engine = load_engine(str(model_dir), None, BatchJob("x.jsonl", "y", str(model_dir),
-                                                        engine_options=OPTIONS).options())
-    yield engine
-    engine.close(5)
-
-
-def token_rows(num_rows: int, seed: int = 0) -> list[dict]:
-    rng = np.random.default_rng(seed)
-    return [{"id": i, "token_ids": rng.integers(0, VOCAB, rng.integers(1, 12)).tolist()}
-            for i in range(num_rows)]
-
-
-def write_jsonl(path: Path, rows_: list) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows_))
-    return path
-
-
-def job(tmp_path: Path, model_dir, input_path, out="out", **kwargs) -> BatchJob:
-    kwargs = {"settings": SETTINGS, "engine_options": OPTIONS, "progress": False, **kwargs}
-    return BatchJob(str(input_path), str(tmp_path / out), str(model_dir), **kwargs)
-
+from xrec.scale.batch import MANIFEST, part_name, run_batch, write_manifest
+from xrec.scale.rows import InputInfo, read_output
 
 def no_model_load(*args, **kwargs):
     raise AssertionError("the model was loaded: the job should have been refused before")
