@@ -137,6 +137,16 @@ def test_unmatched_release_raises_here_and_the_child_serves_on(engine):
     assert _is_alive(pid)
 
 
+def test_an_answer_for_no_pending_request_leaves_the_receiver_running(engine):
+    """The receiver popped pending entries without a default: a stray answer ended its
+    thread, and every later request would have waited forever."""
+    link = engine._link
+    link._handle(("result", -1, None))
+    link._handle(("error", -2, RuntimeError("stray")))
+    assert engine._receiver.is_alive()
+    assert engine.recommend(_requests(1))[0].results
+
+
 def test_stats_come_from_the_child_in_the_in_process_shape(model_dir, engine):
     """`stats()` (what /metrics reads) is the child engine's snapshot: the same EngineStats
     as an in-process engine of the same options, idle after its answers."""

@@ -154,7 +154,10 @@ class _Link:
                 data = self.conn.recv_bytes()
             except (EOFError, OSError):
                 break
-            self._handle(loads(data, None))
+            try:
+                self._handle(loads(data, None))
+            except Exception:   # a bug here must not end the receiver: every future would hang
+                logger.exception("handling a message from the engine process failed")
             del data
         self._child_gone()
 
@@ -173,7 +176,10 @@ class _Link:
             _settle(future, message[2], kind == "error")
             return
         with self.lock:
-            future, shared, as_data = self.pending.pop(message[1])
+            entry = self.pending.pop(message[1], None)
+            if entry is None:   # failed here already (the child was declared gone)
+                return
+            future, shared, as_data = entry
             shared.remaining -= 1
             regions = (shared.regions or []) if shared.remaining == 0 else []
         self.arena.free(regions)
