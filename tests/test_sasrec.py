@@ -216,3 +216,16 @@ def test_eval_ranks_the_sasrec_that_sid_build_trained(tmp_path):
     assert second["training"]["sasrec"]["refit_reused"]
     assert second["metrics"] == first["metrics"]
     assert any("earlier command's training" in note for note in first["notes"])
+
+
+def test_fewer_items_than_k_ranks_every_item_and_pads_with_minus_one():
+    """A catalog of 6 items: training validates HR@10 (k=10 > 6) and `rank_sasrec` with
+    k=50 ranks all 6 items, then -1 (as the baselines do)."""
+    split = cycle_split(num_users=40, num_items=6)
+    model = train_sasrec(split, SASRecConfig(**{**SMALL.__dict__, "epochs": 2}), progress=False)
+    ranked = rank_sasrec(model, split, "test", 50)
+    assert ranked.shape == (40, 50)
+    assert (ranked[:, 6:] == -1).all()
+    assert all(sorted(row[:6]) == list(range(6)) for row in ranked)
+    with pytest.raises(ValueError, match="k: got 0"):
+        rank_sasrec(model, split, "test", 0)

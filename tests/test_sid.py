@@ -347,3 +347,35 @@ def test_text_embeddings_real_model():
     assert emb.shape == (3, 384) and emb.dtype == np.float32
     np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-5)
     assert emb[0] @ emb[1] > emb[0] @ emb[2]
+
+
+def test_cli_sid_build_default_directory_is_the_one_train_reads(tmp_path, monkeypatch):
+    """`--data FILE` without `--out` writes where `xrec train --data FILE` looks for it
+    (`run_dir(FILE) / "sid"`, keyed by the file's stem), not under the dataset's name."""
+    from xrec.realdata.train.cli import run_dir
+    monkeypatch.setattr(xrec.realdata.data, "load_dataset", lambda source: SPLIT.data, raising=False)
+    monkeypatch.setattr(xrec.realdata.data, "leave_one_out", lambda data: SPLIT, raising=False)
+    monkeypatch.setenv("XREC_HOME", str(tmp_path / "home"))
+    parser = argparse.ArgumentParser(prog="xrec")
+    add_sid_parser(parser.add_subparsers(dest="command"))
+    file = str(tmp_path / "my-interactions.csv")
+    assert SPLIT.data.name != "my-interactions"
+    args = parser.parse_args(["sid", "build", "--data", file, "--embeddings", "svd", "--dim", "8",
+                              "--codebook-size", "8"])
+    assert args.run(args) == 0
+    assert (run_dir(file) / "sid" / "sid_report.json").is_file()
+    assert run_dir(file) == tmp_path / "home" / "runs" / "my-interactions"
+
+
+@pytest.mark.parametrize("codebook_size", [0, -8, 1.5])
+def test_bad_codebook_size_is_refused_before_the_embeddings_train(tmp_path, monkeypatch,
+                                                                 codebook_size):
+    def never(*args, **kwargs):
+        raise AssertionError("the embeddings trained before the options were checked")
+
+    monkeypatch.setattr(sid_embeddings, "sasrec_embeddings", never)
+    with pytest.raises(ValueError, match="codebook_size"):
+        build_sid_dir(SPLIT, tmp_path / "sid", embeddings="sasrec", codebook_size=codebook_size)
+    with pytest.raises(ValueError, match="collisions"):
+        build_sid_dir(SPLIT, tmp_path / "sid", embeddings="sasrec", collisions="merge")
+    assert not (tmp_path / "sid").exists()

@@ -244,6 +244,71 @@ def test_killed_run_resumes_where_it_stopped(split, sid_dir, tmp_path, options):
     assert not (tmp_path / "killed.partial").exists()
 
 
+class _Killed(Exception):
+    """Stands for a kill at a chosen point of a run."""
+
+
+def _interrupted(split, sid_dir, out, monkeypatch, where, epochs=3, **options):
+    """Runs `train` until `where` (a (class, method) pair, patched) raises `_Killed` at its
+    second call (epoch 2), then restores it."""
+    owner, name = where
+    real, calls = getattr(owner, name), []
+
+    def dies(self, *args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise _Killed
+        return real(self, *args)
+
+    monkeypatch.setattr(owner, name, dies)
+    with pytest.raises(_Killed):
+        _train(split, sid_dir, out, "qwen3", epochs=epochs, **options)
+    monkeypatch.setattr(owner, name, real)
+
+
+@pytest.mark.parametrize("where", ["validate", "checkpoint"])
+def test_run_killed_inside_an_epochs_commit_resumes_bit_exact(split, sid_dir, tmp_path,
+                                                             monkeypatch, where):
+    """Killed while validating epoch 2 (its checkpoint written, state.json still at epoch 1)
+    or while writing epoch 2's checkpoint: the resumed run redoes epoch 2 from epoch 1's
+    files only and ends with an uninterrupted run's weights, bit for bit."""
+    from safetensors.torch import load_file
+    from xrec.realdata.train import trainer
+    straight = _train(split, sid_dir, tmp_path / "straight", "qwen3", epochs=3)
+    target = (trainer._Run, "validate") if where == "validate" else (TrainableModel, "save")
+    out = tmp_path / "killed"
+    _interrupted(split, sid_dir, out, monkeypatch, target)
+    assert json.loads((tmp_path / "killed.partial" / "state.json").read_text())["epoch"] == 1
+    logged = []
+    train(split, sid_dir, out, TrainOptions(family="qwen3", epochs=3, patience=20, **SMALL),
+          progress=False, log=logged.append, threads=1)
+    assert any("resuming" in line and "after epoch 1" in line for line in logged)
+    report = json.loads((out / "train_report.json").read_text())
+    assert [h["epoch"] for h in report["history"]] == [1, 2, 3]
+    a, b = load_file(str(straight / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_resume_refuses_other_data_or_rebuilt_semantic_ids(split, tmp_path, monkeypatch):
+    """An unfinished run resumes only on the split and the semantic IDs it began with: other
+    interactions (the same item count) or a sid directory rebuilt in place are refused."""
+    from xrec.realdata.train import trainer
+    sid = tmp_path / "sid"
+    build_sid_dir(split, sid, embeddings="svd", codebook_size=8, dim=8)
+    out = tmp_path / "m"
+    _interrupted(split, sid, out, monkeypatch, (trainer._Run, "validate"))
+    options = TrainOptions(family="qwen3", epochs=3, patience=20, **SMALL)
+    other = leave_one_out(walk_interactions(seed=1))
+    assert other.data.num_items == split.data.num_items
+    with pytest.raises(ValueError, match="other inputs: the interaction data"):
+        train(other, sid, out, options, progress=False, threads=1)
+    build_sid_dir(split, sid, embeddings="svd", codebook_size=8, dim=8, seed=1, replace=True)
+    with pytest.raises(ValueError, match="other inputs: the semantic IDs .* were rebuilt"):
+        train(split, sid, out, options, progress=False, threads=1)
+
+
 def test_final_fit_trains_on_the_validation_item_too_without_validating(split, sid_dir,
                                                                         tmp_path):
     """`final`: all epochs on every item but the test one, no validation; the same weights

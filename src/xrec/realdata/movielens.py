@@ -44,6 +44,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from xrec.realdata.train.cli import run_dir
     from xrec.realdata.train.options import TrainOptions
     from xrec.realdata.train.trainer import train
+    from xrec.utils.files import atomic_directory
 
     progress = not args.no_progress
     families = [f.strip() for f in args.families.split(",") if f.strip()]
@@ -73,10 +74,14 @@ def run_demo(args: argparse.Namespace) -> int:
                             progress=progress))
     baselines = () if args.baselines == "none" else tuple(args.baselines.split(","))
     models = [run / f for f in families]
-    stage("eval", (run / "eval" / "eval.json").exists() and not args.redo_eval,
-          lambda: evaluate(split, models, run / "eval",
-                           EvalOptions(baselines=baselines, sasrec_cache=str(run / "sasrec")),
-                           progress=progress))
+
+    def evaluate_whole() -> None:   # written beside, renamed into place: never torn
+        with atomic_directory(run / "eval", replace=True) as tmp:
+            evaluate(split, models, tmp,
+                     EvalOptions(baselines=baselines, sasrec_cache=str(run / "sasrec")),
+                     progress=progress)
+
+    stage("eval", (run / "eval").exists() and not args.redo_eval, evaluate_whole)
     print((run / "eval" / "eval.md").read_text())
     show_users(split, models[0], args.users)
     print(f"stage times (s): {json.dumps({k: round(v) for k, v in times.items()})}")

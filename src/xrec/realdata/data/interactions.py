@@ -69,6 +69,14 @@ class Split:
         training data of the published ML-1M protocol, which has no validation stage)."""
         return replace(self, train=self.history("test"), valid=np.full_like(self.valid, -1))
 
+    def update_digest(self, digest) -> None:
+        """Feed what a model trained on this split reads into `digest` (a hashlib object):
+        the item count, every training sequence, the validation and test items."""
+        digest.update(np.int64(self.data.num_items).tobytes())
+        digest.update(np.array([len(items) for items in self.train], np.int64).tobytes())
+        for part in (*self.train, self.valid, self.test):
+            digest.update(np.ascontiguousarray(part, dtype=np.int32).tobytes())
+
     def targets(self, stage: str) -> np.ndarray:
         """int32 [num_users]: each user's item of `stage` (-1: user not evaluated)."""
         if stage not in ("valid", "test"):

@@ -59,6 +59,8 @@ class EvalOptions:
     dtype: str = "float32"
 
     def __post_init__(self):
+        if self.seed < 0:   # numpy refused it only when SASRec started, after the ranking
+            raise ValueError(f"seed: got {self.seed}, expected >= 0")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: got {self.dtype!r}, allowed: {', '.join(DTYPES)}")
         if self.beam_width < MIN_BEAM_WIDTH:

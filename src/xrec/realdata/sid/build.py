@@ -203,6 +203,9 @@ def build_sid_dir(split: Split, out_dir: str | os.PathLike, *, embeddings: str =
 
     data = split.data
     started = time.perf_counter()
+    sid_layout(codebook_size)    # a bad size is refused before the embeddings train
+    if collisions not in COLLISION_RULES:
+        raise ValueError(f"collisions: got {collisions!r}, allowed: {', '.join(COLLISION_RULES)}")
     if embeddings == "svd":
         vectors = embed.interaction_embeddings(split, dim=dim, seed=seed)
         source = {"embeddings": "svd", "dim": dim, "embedding_input": "training interactions"}

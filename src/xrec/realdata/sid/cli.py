@@ -75,15 +75,11 @@ def run_sid_build(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     data = load_dataset(args.data)
     split = leave_one_out(data)
-    if args.out:
-        out = Path(args.out)
-    else:
-        from xrec.utils.files import xrec_home
-        out = xrec_home() / "runs" / data.name / "sid"
-    if out.exists() and not args.force:
-        raise ValueError(f"{out} exists: pass --force to replace it, or --out elsewhere")
     from xrec.realdata.train.cli import run_dir
 
+    out = Path(args.out) if args.out else run_dir(args.data) / "sid"   # where train looks
+    if out.exists() and not args.force:
+        raise ValueError(f"{out} exists: pass --force to replace it, or --out elsewhere")
     report = build_sid_dir(split, out, embeddings=args.embeddings, dim=args.dim,
                            codebook_size=args.codebook_size, collisions=args.collisions,
                            seed=args.seed, replace=args.force, progress=True,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 __all__ = ["FAMILIES", "FAMILY_DEFAULTS", "TrainOptions"]
@@ -65,19 +66,20 @@ class TrainOptions:
                      "valid_beam_width", "patience"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: got {getattr(self, name)}, expected >= 1")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout: got {self.dropout}, expected 0 <= dropout < 1")
-        if not 0 <= self.ema < 1:
-            raise ValueError(f"ema: got {self.ema}, expected 0 <= ema < 1")
-        if not 0 <= self.label_smoothing < 1:
-            raise ValueError(f"label_smoothing: got {self.label_smoothing}, "
-                             f"expected 0 <= label_smoothing < 1")
-        if self.seen_unlikelihood < 0:
-            raise ValueError(f"seen_unlikelihood: got {self.seen_unlikelihood}, expected >= 0")
-        if self.lookahead < 0:
-            raise ValueError(f"lookahead: got {self.lookahead}, expected >= 0")
-        if not self.lr > 0:
-            raise ValueError(f"lr: got {self.lr}, expected > 0")
+        for name in ("warmup_steps", "valid_users", "seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: got {getattr(self, name)}, expected >= 0")
+        # [low, high): each a finite number (NaN passed `< 0` checks and failed after a whole
+        # epoch, on NaN weights; max_minutes NaN meant no limit)
+        ranges = {"dropout": (0, 1), "ema": (0, 1), "label_smoothing": (0, 1),
+                  "seen_unlikelihood": (0, math.inf), "lookahead": (0, math.inf),
+                  "weight_decay": (0, math.inf), "max_minutes": (0, math.inf)}
+        for name, (low, high) in ranges.items():
+            value = getattr(self, name)
+            if not (math.isfinite(value) and low <= value < high):
+                raise ValueError(f"{name}: got {value}, expected a finite number in [{low}, {high})")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr: got {self.lr}, expected a finite number > 0")
         check_train_dtype(self.dtype)
         if self.hidden % self.heads:
             raise ValueError(f"hidden {self.hidden} is not a multiple of heads {self.heads}")

@@ -271,9 +271,11 @@ def rank_sasrec(model: SASRecModel, split: Split, stage: str, k: int,
     """int64 [num_users, k]: each user's top-k item indices, best first, given the user's
     `split.history(stage)` (its last max_len items). exclude_seen: no item of the whole
     history is returned (a user who has seen all but fewer than k items gets -1 or seen items
-    at the end of the row). Users with no target (-1) are ranked too."""
-    if not 1 <= k <= model.num_items:
-        raise ValueError(f"k: got {k}, expected 1..{model.num_items}")
+    at the end of the row). Users with no target (-1) are ranked too. A catalog of fewer than
+    k items: every item ranked, the rest of the row -1 (as the baselines' `_rank`)."""
+    if k < 1:
+        raise ValueError(f"k: got {k}, expected >= 1")
+    num_kept = min(k, model.num_items)
     history = split.history(stage)
     device = next(model.parameters()).device
     was_training = model.training
@@ -282,7 +284,7 @@ def rank_sasrec(model: SASRecModel, split: Split, stage: str, k: int,
         with threads_in_this_thread(min(torch.get_num_threads(), model.config.num_threads)):
             # users in order of history length, so that a batch pads only to its own longest
             order = np.argsort([len(h) for h in history], kind="stable")
-            ranked = np.empty((len(history), k), np.int64)
+            ranked = np.full((len(history), k), -1, np.int64)
             for start in range(0, len(order), batch_size):
                 users = order[start:start + batch_size]
                 seqs = [history[u] for u in users]
@@ -291,7 +293,8 @@ def rank_sasrec(model: SASRecModel, split: Split, stage: str, k: int,
                 scores = F.pad(model.item_scores(hidden), (1, 0), value=-torch.inf)  # [B, 1 + N]
                 if exclude_seen:
                     scores.scatter_(1, torch.from_numpy(_padded(seqs)).to(device), -torch.inf)
-                ranked[users] = (scores.topk(k, dim=1).indices - 1).cpu().numpy()  # [B, k]
+                best = scores.topk(num_kept, dim=1).indices - 1                 # [B, k']
+                ranked[users, :num_kept] = best.cpu().numpy()
             return ranked
     finally:
         model.train(was_training)

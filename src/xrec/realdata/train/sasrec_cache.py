@@ -22,7 +22,6 @@ import os
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from xrec.realdata.data.interactions import Split
@@ -40,11 +39,7 @@ def sasrec_key(split: Split, config: sasrec.SASRecConfig) -> str:
     digest = hashlib.sha256(FORMAT.encode())
     fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in _NOT_IN_KEY}
     digest.update(json.dumps(fields, sort_keys=True).encode())
-    digest.update(np.int64(split.data.num_items).tobytes())
-    lengths = np.array([len(items) for items in split.train], np.int64)
-    digest.update(lengths.tobytes())
-    for part in (*split.train, split.valid, split.test):
-        digest.update(np.ascontiguousarray(part, dtype=np.int32).tobytes())
+    split.update_digest(digest)
     return digest.hexdigest()
 
 

@@ -3,16 +3,22 @@ through the serving engine after each epoch, early stopping, resumable checkpoin
 `final`: the final fit once validation has chosen the options: every item but the test one
 in training, all `epochs`, no validation (the last epoch is the model).
 
-Files: the run works in `OUT.partial/` (`last/`: the latest epoch, a servable model directory,
-holding the weights' moving average with `ema`; `optimizer.safetensors`: its optimizer state,
-the training-only look-ahead heads and, with `ema`, the trained weights; `best/`: the best epoch so far; `state.json`: where the run
-stands, written last). A killed run started again with the same options continues after its
-last finished epoch. When training ends, `best/` becomes `OUT` (renamed whole: `OUT` never
-exists half-written) and `OUT.partial/` is deleted.
+Files: the run works in `OUT.partial/`. `state.json` is the single commit point: it says where
+the run stands and names the directories that belong to it, `epoch-N/` (the latest epoch:
+`model/`, a servable model directory holding the weights' moving average with `ema`, and
+`optimizer.safetensors`: its optimizer state, the training-only look-ahead heads and, with
+`ema`, the trained weights) and `best-N/` (the best epoch so far, servable). Each is written
+under a `.tmp` name and renamed whole before `state.json` names it; anything `state.json` does
+not name (a newer epoch a kill left behind, a torn `.tmp`) is deleted. A killed run started
+again with the same options and inputs (the split's and the semantic IDs' digests in
+`state.json`) continues after its last committed epoch. When training ends, the best
+directory becomes `OUT` (renamed whole: `OUT` never exists half-written) and `OUT.partial/` is
+deleted.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -57,8 +63,9 @@ def train(split: Split, sid_dir: str | Path, out_dir: str | Path, options: Train
         run.resume_or_start()
         run.fit(progress, cores)
     report = run.report()
-    (work / "best" / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (work / "best").rename(out_dir)
+    best = work / run.best_dir
+    (best / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    best.rename(out_dir)
     shutil.rmtree(work, ignore_errors=True)
     return report
 
@@ -83,6 +90,8 @@ class _Run:
         self.average = WeightAverage(params, options.ema) if options.ema else None
         self.epoch, self.step, self.history, self.best = 0, 0, [], None
         self.elapsed, self.stale = 0.0, 0
+        self.last_dir = self.best_dir = None     # names under `work`, as state.json has them
+        self.inputs = {"split": split_digest(split), "sid": sid_digest(vocab.directory)}
         rng = np.random.default_rng(options.seed)
         users = np.flatnonzero(split.valid >= 0)
         if options.valid_users and len(users) > options.valid_users:
@@ -120,9 +129,23 @@ class _Run:
             raise ValueError(f"{self.work} holds an unfinished run with other options or "
                              f"semantic IDs: delete it to start over, or train with its options "
                              f"({state['options']})")
-        self.model.load_state(load_file(str(self.work / "last" / "model.safetensors")))
-        optimizer = load_file(str(self.work / "optimizer.safetensors"))
-        if self.average is not None:    # last/ holds the average, the optimizer file the rest
+        if "last_dir" not in state:
+            raise ValueError(f"{self.work} holds an unfinished run of an older xrec (no "
+                             f"checkpoint named in its state.json): delete it to start over")
+        changed = [what for what, digest in self.inputs.items()
+                   if state.get("inputs", {}).get(what) != digest]
+        if changed:
+            said = {"split": "the interaction data (its split) differs",
+                    "sid": f"the semantic IDs in {self.vocab.directory} were rebuilt"}
+            raise ValueError(f"{self.work} holds an unfinished run on other inputs: "
+                             f"{'; '.join(said[c] for c in changed)} since it started. Delete "
+                             f"{self.work} to start over, or resume with the inputs it began with")
+        self.last_dir, self.best_dir = state["last_dir"], state["best_dir"]
+        self.remove_uncommitted()
+        last = self.work / self.last_dir
+        self.model.load_state(load_file(str(last / "model" / "model.safetensors")))
+        optimizer = load_file(str(last / "optimizer.safetensors"))
+        if self.average is not None:    # model/ holds the average, the optimizer file the rest
             self.average = WeightAverage(self.params, self.options.ema)
             with torch.no_grad():
                 for i, p in enumerate(self.params):
@@ -139,19 +162,42 @@ class _Run:
         self.log(f"resuming {self.work} after epoch {self.epoch} (best validation HR@10 "
                  f"{self.best and self.best['hr@10']})")
 
+    def remove_uncommitted(self) -> None:
+        """Deletes what state.json does not name: checkpoints newer than it, torn `.tmp`s."""
+        keep = {"state.json", self.last_dir, self.best_dir}
+        for entry in self.work.iterdir():
+            if entry.name not in keep:
+                if entry.is_dir():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+
+    def _publish(self, name: str, write) -> None:
+        """`write(directory)` into `name.tmp`, then renamed to `name` whole."""
+        tmp, final = self.work / (name + ".tmp"), self.work / name
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        write(tmp)
+        shutil.rmtree(final, ignore_errors=True)   # left by a killed run, never committed
+        tmp.rename(final)
+
     def checkpoint(self) -> None:
-        last = self.work / "last"
-        shutil.rmtree(last, ignore_errors=True)
+        """This epoch's `epoch-N/` (uncommitted until `save_state`)."""
+        self.last_dir = f"epoch-{self.epoch}"
+        self._publish(self.last_dir, self._write_checkpoint)
+
+    def _write_checkpoint(self, directory: Path) -> None:
+        model_dir = directory / "model"
         if self.average is None:
-            self.model.save(last)
+            self.model.save(model_dir)
         else:
             with self.average.in_place():
-                self.model.save(last)
+                self.model.save(model_dir)
         for f in self.vocab.directory.iterdir():
             if f.is_file():
-                shutil.copy2(f, last / f.name)
+                shutil.copy2(f, model_dir / f.name)
         from xrec.realdata.ranking import PROMPT_FILE
-        (last / PROMPT_FILE).write_text(json.dumps(
+        (model_dir / PROMPT_FILE).write_text(json.dumps(
             {"max_items": self.options.max_items, "format": "bos + 3 tokens per item"}) + "\n")
         optimizer = {_HEADS + k: v.detach().clone()
                      for k, v in self.model.training_state().items()}
@@ -160,15 +206,24 @@ class _Run:
                 optimizer[f"{i}.{k}"] = v.detach().clone()
             if self.average is not None:
                 optimizer[f"{i}.trained"] = p.detach().clone()
-        save_file(optimizer, str(self.work / "optimizer.safetensors"))
+        save_file(optimizer, str(directory / "optimizer.safetensors"))
+
+    def keep_as_best(self) -> None:
+        """The latest epoch's model as `best-N/` (uncommitted until `save_state`)."""
+        self.best_dir = f"best-{self.epoch}"
+        source = self.work / self.last_dir / "model"
+        self._publish(self.best_dir, lambda d: shutil.copytree(source, d, dirs_exist_ok=True))
 
     def save_state(self) -> None:
+        """The commit point: names this epoch's directories, then deletes the others."""
         state = {"options": asdict(self.options), "sid_dir": str(self.vocab.directory),
+                 "inputs": self.inputs, "last_dir": self.last_dir, "best_dir": self.best_dir,
                  "epoch": self.epoch, "step": self.step, "history": self.history,
                  "best": self.best, "elapsed_s": self.elapsed, "stale": self.stale}
         tmp = self.work / "state.json.tmp"
         tmp.write_text(json.dumps(state, indent=1) + "\n")
         tmp.rename(self.work / "state.json")
+        self.remove_uncommitted()
 
     # ---- the loop ------------------------------------------------------------------------
     def fit(self, progress: bool, cores: FollowFreeCores) -> None:
@@ -214,8 +269,7 @@ class _Run:
             if self.best is None or hr is None or hr > self.best["hr@10"]:
                 self.best = {"epoch": self.epoch, "hr@10": hr}
                 self.stale = 0
-                shutil.rmtree(self.work / "best", ignore_errors=True)
-                shutil.copytree(self.work / "last", self.work / "best")
+                self.keep_as_best()
             else:
                 self.stale += 1
             self.save_state()
@@ -233,7 +287,7 @@ class _Run:
         from xrec.realdata.data.metrics import ranking_metrics
         from xrec.realdata.ranking import GenerativeRanker
 
-        ranker = GenerativeRanker.open(self.work / "last", self.split.data.num_items,
+        ranker = GenerativeRanker.open(self.work / self.last_dir / "model", self.split.data.num_items,
                                        device="cpu", num_threads=self.threads)
         try:
             ranked = ranker.rank(self.split, "valid", 10, self.options.valid_beam_width,
@@ -250,3 +304,20 @@ class _Run:
                 "epochs_run": self.epoch, "best": self.best, "history": self.history,
                 "train_minutes": round(self.elapsed / 60, 2),
                 "parameters": sum(p.numel() for p in self.model.hf.parameters())}
+
+
+def split_digest(split: Split) -> str:
+    """Hex SHA-256 of the split training reads."""
+    digest = hashlib.sha256()
+    split.update_digest(digest)
+    return digest.hexdigest()
+
+
+def sid_digest(sid_dir: Path) -> str:
+    """Hex SHA-256 of a semantic-ID directory's files (its catalog and report among them: a
+    rebuild changes them)."""
+    digest = hashlib.sha256()
+    for f in sorted(Path(sid_dir).iterdir()):
+        if f.is_file():
+            digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()

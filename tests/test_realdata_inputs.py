@@ -1,0 +1,83 @@
+"""Real-data stages against torn or awkward inputs: a demo whose evaluation was killed
+half-written, options out of range refused before any work."""
+
+from __future__ import annotations
+
+import math
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sklearn")
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import xrec.realdata.data  # noqa: E402
+from test_train import SMALL, walk_interactions  # noqa: E402
+from xrec.realdata.data import leave_one_out  # noqa: E402
+from xrec.realdata.evaluate import run as eval_run  # noqa: E402
+from xrec.realdata.movielens import run_demo  # noqa: E402
+from xrec.realdata.sid.build import build_sid_dir  # noqa: E402
+from xrec.realdata.train.options import TrainOptions  # noqa: E402
+from xrec.realdata.train.trainer import train  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def split():
+    return leave_one_out(walk_interactions())
+
+
+def _tiny_model(split, sid, out):
+    train(split, sid, out, TrainOptions(family="qwen3", epochs=1, **SMALL), progress=False,
+          log=lambda *_: None, threads=1)
+    return out
+
+
+def test_demo_redoes_an_evaluation_killed_half_written(split, tmp_path, monkeypatch, capsys):
+    """The eval stage dies after eval.json and before eval.md: the next demo run finds no
+    `eval/` (written whole, renamed into place) and evaluates again, instead of calling the
+    stage cached and failing on the missing file."""
+    monkeypatch.setenv("XREC_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(xrec.realdata.data, "load_dataset", lambda name: split.data)
+    run = tmp_path / "home" / "runs" / "ml-100k"
+    build_sid_dir(split, run / "sid", embeddings="svd", codebook_size=8, dim=8)
+    _tiny_model(split, run / "sid", run / "qwen3")     # the cached stages
+    args = argparse.Namespace(dataset="ml-100k", families="qwen3", baselines="most-popular",
+                              users=2, redo_eval=False, no_progress=True)
+    real = eval_run._agreement_section
+
+    def killed(report):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eval_run, "_agreement_section", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_demo(args)
+    assert not (run / "eval" / "eval.json").exists()
+    monkeypatch.setattr(eval_run, "_agreement_section", real)
+    capsys.readouterr()
+    assert run_demo(args) == 0
+    assert "[eval] done" in capsys.readouterr().out
+    assert {"eval.json", "eval.md", "predictions.jsonl", "eval.png"} <= {
+        f.name for f in (run / "eval").iterdir()}
+
+
+@pytest.mark.parametrize("field, value", [
+    ("lr", math.nan), ("lr", math.inf), ("weight_decay", math.nan), ("weight_decay", -1.0),
+    ("seen_unlikelihood", math.nan), ("lookahead", math.nan), ("max_minutes", math.nan),
+    ("max_minutes", -1.0), ("warmup_steps", -10), ("valid_users", -5), ("seed", -1),
+    ("label_smoothing", math.inf), ("dropout", math.nan)])
+def test_train_options_out_of_range_are_refused_before_training(field, value):
+    """NaN passed the `< 0` checks and failed after a whole epoch on NaN weights (or, for
+    max_minutes, meant no limit); negative counts failed late or deep in numpy."""
+    with pytest.raises(ValueError, match=rf"^{field}: got {value}"):
+        TrainOptions(**{field: value}).check()
+
+
+def test_eval_refuses_a_negative_seed_at_once():
+    """It was refused by numpy when SASRec started, after every model had been ranked."""
+    from xrec.realdata.evaluate.run import EvalOptions
+
+    with pytest.raises(ValueError, match="^seed: got -1, expected >= 0"):
+        EvalOptions(seed=-1)
