@@ -172,6 +172,17 @@ def test_csv_with_quoted_fields(tmp_path):
     assert data.item_ids == ("Heat, the film",) and data.users.tolist() == [0, 1]
 
 
+def test_spaces_around_ids_read_the_same_with_and_without_quotes(tmp_path):
+    """The plain split kept " 10" apart from "10"; the csv module's path (taken when a quote
+    appears anywhere) joined them: the same rows gave other items."""
+    rows = "u1, 10,1\nu1,10 ,2\nu2,11,3\n"
+    for header in ("user_id,item_id,timestamp\n", '"user_id",item_id,timestamp\n'):
+        path = tmp_path / "log.csv"
+        path.write_text(header + rows)
+        data = load_dataset(str(path))
+        assert data.item_ids == ("10", "11") and data.items.tolist() == [0, 0, 1], header
+
+
 def test_recbole_tsv_with_crlf_and_blank_line(tmp_path):
     path = tmp_path / "log.inter"
     path.write_bytes(crlf("user_id:token\titem_id:token\ttimestamp:float\n"
@@ -195,6 +206,8 @@ def test_missing_column(tmp_path):
     ("user_id,item_id,timestamp\nu,i,1\n\nu,i,nan\n", "line 4: timestamp 'nan'"),
     ("user_id\titem_id\ttimestamp\nu\ti\t1\nu\ti\n", "line 3: 2 fields, the header has 3"),
     ('user_id,item_id,timestamp\nu,"i,1\nu,i\n', "line"),
+    ("user_id,item_id,timestamp\nu,i,1\n,i,2\n", "line 3: empty user_id"),   # merged into one user
+    ("user_id,item_id,timestamp\nu,i,1\n\nu,  ,2\n", "line 4: empty item_id"),
 ])
 def test_bad_files(tmp_path, text, match):
     path = tmp_path / "log.csv"

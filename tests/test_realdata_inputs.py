@@ -1,10 +1,11 @@
 """Real-data stages against torn or awkward inputs: a demo whose evaluation was killed
-half-written, options out of range refused before any work."""
+half-written, options out of range and two models of one name refused before any work."""
 
 from __future__ import annotations
 
 import math
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
@@ -81,3 +82,18 @@ def test_eval_refuses_a_negative_seed_at_once():
 
     with pytest.raises(ValueError, match="^seed: got -1, expected >= 0"):
         EvalOptions(seed=-1)
+
+
+def test_eval_refuses_two_models_of_one_name_before_ranking(split, tmp_path):
+    """Rows are named by directory: `exp1/qwen3` and `exp2/qwen3` made one row, the first
+    model's metrics lost."""
+    sid = tmp_path / "sid"
+    build_sid_dir(split, sid, embeddings="svd", codebook_size=8, dim=8)
+    first = _tiny_model(split, sid, tmp_path / "exp1" / "qwen3")
+    second = tmp_path / "exp2" / "qwen3"
+    second.parent.mkdir()
+    shutil.copytree(first, second)
+    with pytest.raises(ValueError, match="both would be the row 'xrec qwen3 \\(qwen3\\)'"):
+        eval_run.evaluate(split, [first, second], tmp_path / "eval",
+                          eval_run.EvalOptions(baselines=()), progress=False, log=lambda *_: None)
+    assert not (tmp_path / "eval").exists()

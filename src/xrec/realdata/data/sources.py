@@ -86,8 +86,10 @@ def read_interactions(text: str, name: str, where: str) -> Interactions:
     if missing:
         raise DataError(f"{where}: missing column(s) {', '.join(missing)}; the header has "
                         f"{', '.join(names)}; required: {', '.join(REQUIRED_COLUMNS)}")
-    user_ids, users = _factorize(columns[names.index("user_id")])
-    item_ids, items = _factorize(columns[names.index("item_id")])
+    user_ids, users = _factorize(_ids(columns[names.index("user_id")], line_numbers, where,
+                                      "user_id"))
+    item_ids, items = _factorize(_ids(columns[names.index("item_id")], line_numbers, where,
+                                      "item_id"))
     timestamps = _parse_numbers(columns[names.index("timestamp")], line_numbers, where)
     return Interactions(name=name, user_ids=user_ids, item_ids=item_ids, users=users, items=items,
                         timestamps=timestamps)
@@ -248,6 +250,20 @@ def _read_quoted(text: str, where: str) -> tuple[list[list[str]], np.ndarray]:
             raise DataError(f"{where}, line {line}: {len(row)} fields, the header has {width}")
     columns = [list(column) for column in zip(*rows[1:])]
     return [rows[0]] + columns, np.array(line_numbers[1:], dtype=np.int64)
+
+
+def _ids(values: list[str], line_numbers: np.ndarray | None, where: str,
+         column: str) -> list[str]:
+    """A column's ids without surrounding spaces, as both readers must see them (the csv
+    module's path dropped leading spaces, the plain split kept them: " 10" and "10" were one
+    item or two depending on a quote elsewhere in the file); an empty id is refused (empty
+    user ids had merged into one user)."""
+    ids = [value.strip() for value in values]
+    empty = next((row for row, value in enumerate(ids) if not value), None)
+    if empty is not None:
+        line = empty + 2 if line_numbers is None else int(line_numbers[empty])
+        raise DataError(f"{where}, line {line}: empty {column}")
+    return ids
 
 
 def _factorize(values: list[str]) -> tuple[tuple[str, ...], np.ndarray]:

@@ -82,6 +82,7 @@ class EvalOptions:
 def evaluate(split: Split, model_dirs: list[Path], out_dir: Path, options: EvalOptions,
              progress: bool = True, log=print) -> dict:
     """Ranks `options.stage` for every user with a target; returns and writes the report."""
+    _check_distinct_names(model_dirs)
     out_dir.mkdir(parents=True, exist_ok=True)
     users = np.flatnonzero(split.targets(options.stage) >= 0)
     targets = split.targets(options.stage)[users]
@@ -137,6 +138,18 @@ def evaluate(split: Split, model_dirs: list[Path], out_dir: Path, options: EvalO
               "notes": _notes(options, bool(model_dirs), training.get("sasrec", {}))}
     _write(out_dir, report, split, users, targets, rankings, model_dirs)
     return report
+
+
+def _check_distinct_names(model_dirs: list[Path]) -> None:
+    """Rows are named by family and directory name: two models of one name made one row (the
+    other's metrics lost), before any ranking is done."""
+    seen: dict[str, Path] = {}
+    for model_dir in model_dirs:
+        name = _model_name(model_dir)
+        if name in seen:
+            raise ValueError(f"--model {seen[name]} and {model_dir}: both would be the row "
+                             f"{name!r}; give the directories distinct names")
+        seen[name] = model_dir
 
 
 def _model_name(model_dir: Path) -> str:
