@@ -397,3 +397,62 @@ def test_readers_refuse_fifos_and_devices_without_reading(tmp_path, tokenizer):
         error = _in_thread(function, path, *rest)
         assert isinstance(error, CatalogError), (function, path, error)
         assert str(path) in str(error) and "not a regular file (a" in str(error), str(error)
+
+
+def _catalog_csv(path, num_items):
+    path.write_text("".join(f"{i},<s_a_{i % 16}>,<s_b_{i // 16 % 16}>,<s_c_{i // 256 % 16}>\n"
+                            for i in range(num_items)))
+    return path
+
+
+def test_an_import_that_cannot_finish_leaves_the_old_catalog_whole(tmp_path, model_dir):
+    """The catalog was rewritten in place: a write cut short (a full disk; here a file-size
+    limit) left a shorter catalog that loaded without an error, the old one gone."""
+    directory = tmp_path / "model"
+    directory.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        (directory / name).write_bytes((model_dir / name).read_bytes())
+    items = _catalog_csv(tmp_path / "items.csv", 1000)
+    command = [sys.executable, "-m", "xrec.catalog.cli", "import", "--model", str(directory),
+               "--format", "csv", str(items)]
+    assert subprocess.run(command, capture_output=True, timeout=120).returncode == 0
+    before = (directory / "catalog.bin").read_bytes()
+    limited = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (5120, 5120)); "
+               "sys.argv = sys.argv[1:]; runpy.run_module('xrec.catalog.cli', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", limited, *command[2:]], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1 and "File too large" in proc.stderr, proc.stderr
+    assert (directory / "catalog.bin").read_bytes() == before
+    assert len(ItemCatalog.from_model_dir(directory, V)) == 1000
+    assert sorted(p.name for p in directory.iterdir()) == sorted(
+        ["catalog.bin", "config.json", "tokenizer.json", "tokenizer_config.json"])
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".txt", ".bin"])
+def test_cli_out_is_written_in_the_form_its_suffix_is_read_in(tmp_path, model_dir, suffix):
+    """--out c.csv wrote the binary form, which the reader (text for .csv/.txt) refused."""
+    out = tmp_path / f"c{suffix}"
+    assert main(["import", "--model", str(model_dir), "--format", "csv",
+                 str(_catalog_csv(tmp_path / "items.csv", 40)), "--out", str(out)]) == 0
+    catalog = ItemCatalog.read(out, V)
+    assert catalog.item_ids.tolist() == list(range(40))
+    assert catalog.triples[17].tolist() == ids(1, 1, 0)
+    assert out.read_bytes().startswith(b"# item_id") == (suffix != ".bin")
+
+
+def test_integers_of_thousands_of_digits_are_catalog_errors(tmp_path, tokenizer):
+    """int() of over 4,300 digits raised a bare ValueError: the admin load answered 500."""
+    digits = "9" * 5000
+    text = tmp_path / "items.txt"
+    text.write_text(f"1,600,601,602\n{digits},600,601,602\n")
+    with pytest.raises(CatalogError, match=r"line 2: item_id has more than 20 characters"):
+        ItemCatalog.read(text, V)
+    text.write_text("1,600,601,6\u0662\n")   # an Arabic-Indic digit is not a decimal digit here
+    with pytest.raises(CatalogError, match="line 1: .*field t2 is not an integer"):
+        ItemCatalog.read(text, V)
+    with pytest.raises(CatalogError, match="is not an integer in int64"):
+        import_token_map(write_json(tmp_path / "m.json", {digits: ["<s_a_1>", "<s_b_1>",
+                                                                   "<s_c_1>"]}), tokenizer, V)
+    with pytest.raises(CatalogError, match=r"\(5000 digits\): code c1 is outside the codebook"):
+        import_sid2pid(write_json(tmp_path / "s.json", {digits: [1]}), tokenizer, V,
+                       codebook_size=16)

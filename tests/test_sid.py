@@ -239,6 +239,28 @@ def test_written_dir_loads_and_tokenizer_agrees(tmp_path, svd_embeddings):
     assert report["embeddings"] == "svd"
 
 
+def test_balanced_caps_clusters_when_few_points_are_distinct():
+    """With at most K distinct rows k-means was skipped for exact codes, and the cap with
+    it: 300 items of 20 distinct rows put 15 on a code at level 1 and 300 at levels 2-3."""
+    rng = np.random.default_rng(3)
+    points = rng.normal(size=(20, 6))[np.arange(300) % 20]  # [300, 6], 20 distinct rows
+    codes = residual_kmeans(points, levels=3, codebook_size=32, seed=0, balanced=True).codes
+    for level in range(3):
+        assert np.bincount(codes[:, level]).max() <= 10   # ceil(300 / 32)
+    plain = residual_kmeans(points, levels=1, codebook_size=32, seed=0).codes
+    assert np.bincount(plain[:, 0]).max() == 15           # unbalanced, exact codes stay
+
+
+@pytest.mark.parametrize("scale", [2.0 ** 66, 2.0 ** -83])
+def test_codes_do_not_depend_on_the_embeddings_scale(svd_embeddings, scale):
+    """float32 squared distances overflowed (~7e19) or underflowed (~1e-25): one cluster.
+    (Scales that are powers of two, so the scaled rows keep every digit.)"""
+    expected = build_sids(svd_embeddings, codebook_size=8, collisions="share").codes
+    scaled = build_sids(svd_embeddings.astype(np.float64) * scale, codebook_size=8,
+                        collisions="share").codes
+    np.testing.assert_array_equal(scaled, expected)
+
+
 def test_existing_dir_needs_replace(tmp_path):
     result = build_sids(np.eye(4, dtype=np.float32), codebook_size=4)
     data = Interactions("four", ("u",), ("a", "b", "c", "d"), np.zeros(4, np.int32),
@@ -273,6 +295,12 @@ def test_load_embeddings_checks_rows(tmp_path):
         load_embeddings(path, 5)
     with pytest.raises(DataError, match="cannot read"):
         load_embeddings(tmp_path / "missing.npy", 5)
+    np.savez(tmp_path / "emb.npz", table=np.ones((5, 3)))   # an AttributeError before
+    with pytest.raises(DataError, match=r"emb\.npz: a \.npz archive"):
+        load_embeddings(tmp_path / "emb.npz", 5)
+    np.save(path, np.ones((5, 0)))
+    with pytest.raises(DataError, match="2-D"):
+        load_embeddings(path, 5)
 
 
 def test_text_embeddings_without_the_package_says_how_to_install(monkeypatch):
@@ -367,9 +395,11 @@ def test_cli_sid_build_default_directory_is_the_one_train_reads(tmp_path, monkey
     assert run_dir(file) == tmp_path / "home" / "runs" / "my-interactions"
 
 
-@pytest.mark.parametrize("codebook_size", [0, -8, 1.5])
+@pytest.mark.parametrize("codebook_size", [0, -8, 1.5, 700_000])
 def test_bad_codebook_size_is_refused_before_the_embeddings_train(tmp_path, monkeypatch,
                                                                  codebook_size):
+    """700,000 codes a level (a vocabulary over a catalog's 2**21 ids) and the seeds k-means
+    cannot take were refused only after SASRec had trained (16 min on ML-1M)."""
     def never(*args, **kwargs):
         raise AssertionError("the embeddings trained before the options were checked")
 
@@ -378,4 +408,7 @@ def test_bad_codebook_size_is_refused_before_the_embeddings_train(tmp_path, monk
         build_sid_dir(SPLIT, tmp_path / "sid", embeddings="sasrec", codebook_size=codebook_size)
     with pytest.raises(ValueError, match="collisions"):
         build_sid_dir(SPLIT, tmp_path / "sid", embeddings="sasrec", collisions="merge")
+    for seed in (-1, 2 ** 32 - 1, 0.5, True):
+        with pytest.raises(ValueError, match="seed"):
+            build_sid_dir(SPLIT, tmp_path / "sid", embeddings="sasrec", seed=seed)
     assert not (tmp_path / "sid").exists()

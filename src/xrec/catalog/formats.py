@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from xrec.errors import InvalidArgument
-from xrec.utils.files import FileRefused, read_regular_file
+from xrec.utils.files import FileRefused, read_regular_file, write_file_atomically
 
 MAX_STRING_BYTES = 1 << 20
 # Triples are packed into one int64 key t0*V*V + t1*V + t2, so V**3 must fit.
@@ -38,8 +38,10 @@ MAX_VOCAB_SIZE = 1 << 21
 DEFAULT_RECORD = np.dtype([("item_id", "<i8"), ("tokens", "<i4", (3,))])  # 20 bytes
 NUM_LEVELS = 3
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
-_TEXT_LINE = re.compile(r"\s*(-?\d+)\s*,\s*(-?\d+)\s*,\s*(-?\d+)\s*,\s*(-?\d+)\s*")
-_INTEGER = re.compile(r"-?\d+")
+# ASCII digits only: `\d` would take other scripts' digits, which int() then reads too
+_TEXT_LINE = re.compile(r"\s*(-?[0-9]+)\s*,\s*(-?[0-9]+)\s*,\s*(-?[0-9]+)\s*,\s*(-?[0-9]+)\s*")
+_INTEGER = re.compile(r"-?[0-9]+")
+MAX_INT64_CHARS = len(str(-(1 << 63)))  # 20: a longer decimal is never an int64
 _TEXT_FIELDS = ("item_id", "t0", "t1", "t2")
 
 
@@ -186,6 +188,11 @@ def read_text(path: str | os.PathLike, vocab_size: int) -> CatalogColumns:
             raise CatalogError(f"catalog {path}: line {line_number}: the line is not "
                                f"'item_id,t0,t1,t2' (four integers): "
                                f"{_text_line_problem(stripped)}")
+        long_field = next((name for name, field in zip(_TEXT_FIELDS, match.groups())
+                           if len(field) > MAX_INT64_CHARS), None)
+        if long_field is not None:   # int() of thousands of digits raises a bare ValueError
+            raise CatalogError(f"catalog {path}: line {line_number}: {long_field} has more "
+                               f"than {MAX_INT64_CHARS} characters: it does not fit in int64")
         item_id, *triple = (int(field) for field in match.groups())
         if not _INT64_MIN <= item_id <= _INT64_MAX:
             raise CatalogError(f"catalog {path}: line {line_number}: item_id = {item_id} "
@@ -266,7 +273,7 @@ def write_binary(path: str | os.PathLike, item_ids: np.ndarray, triples: np.ndar
     records = np.empty(len(item_ids), dtype=DEFAULT_RECORD)  # [n]
     records["item_id"] = item_ids
     records["tokens"] = triples
-    Path(path).write_bytes(records.tobytes())
+    write_file_atomically(path, records.tobytes())
 
 
 def write_extended(path: str | os.PathLike, item_ids: np.ndarray, triples: np.ndarray,
@@ -278,11 +285,11 @@ def write_extended(path: str | os.PathLike, item_ids: np.ndarray, triples: np.nd
         type_bytes = encode_string(type_, "type", row)
         parts += [struct.pack("<qI", item_id, len(did_bytes)), did_bytes,
                   struct.pack("<I", len(type_bytes)), type_bytes, struct.pack("<3i", *triple)]
-    Path(path).write_bytes(b"".join(parts))
+    write_file_atomically(path, b"".join(parts))
 
 
 def write_text(path: str | os.PathLike, item_ids: np.ndarray, triples: np.ndarray) -> None:
     lines = ["# item_id,t0,t1,t2"]
     lines += [f"{item_id},{t0},{t1},{t2}"
               for item_id, (t0, t1, t2) in zip(item_ids.tolist(), triples.tolist())]
-    Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_file_atomically(path, ("\n".join(lines) + "\n").encode("utf-8"))

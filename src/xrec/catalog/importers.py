@@ -29,7 +29,8 @@ from typing import Any, Callable
 import numpy as np
 
 from xrec.catalog.items import ItemCatalog
-from xrec.catalog.formats import NUM_LEVELS, CatalogError, check_vocab_size, is_header_row
+from xrec.catalog.formats import (
+    MAX_INT64_CHARS, NUM_LEVELS, CatalogError, check_vocab_size, is_header_row)
 from xrec.tokenizer import PromptTokenizer
 from xrec.utils.files import FileRefused, read_regular_file
 
@@ -41,6 +42,7 @@ _INTEGER = re.compile(r"-?[0-9]+")
 _INTEGER_LINES = re.compile(r"(?:-?[0-9]+\n)*")
 _UNSIGNED_LINES = re.compile(r"(?:[0-9]+\n)*")
 _LEVEL_LETTERS = "abc"
+_MAX_KEY_DIGITS = 1000  # a longer semantic ID key is only named by its first digits
 
 
 def _read_text(path: Path) -> str:
@@ -64,7 +66,8 @@ def _read_json_object(path: Path) -> dict[str, Any]:
 
 def _item_id(path: Path, text: str, where: str) -> int:
     """An item id written as decimal text (a JSON key or a CSV field), checked for int64."""
-    if not _INTEGER.fullmatch(text) or not _INT64_MIN <= int(text) <= _INT64_MAX:
+    if (len(text) > MAX_INT64_CHARS or not _INTEGER.fullmatch(text)
+            or not _INT64_MIN <= int(text) <= _INT64_MAX):
         raise CatalogError(f"{path}: {where}item id {text!r} is not an integer in int64")
     return int(text)
 
@@ -197,6 +200,9 @@ def import_sid2pid(path: str | os.PathLike, tokenizer: PromptTokenizer, vocab_si
             if not (key.isascii() and key.isdigit()):
                 raise CatalogError(f"{path}: key {key!r} is not a decimal semantic ID "
                                    f"(c1*{codebook_size}**2 + c2*{codebook_size} + c3)")
+            if len(key) > _MAX_KEY_DIGITS:   # int() of thousands of digits raises ValueError
+                raise CatalogError(f"{path}: key {key:.24}... ({len(key)} digits): code c1 is "
+                                   f"outside the codebook [0, {codebook_size})")
             if int(key) >= codebook_size ** 3:
                 raise CatalogError(f"{path}: key {key}: code c1 = {int(key) // codebook_size ** 2}"
                                    f" is outside the codebook [0, {codebook_size})")

@@ -254,8 +254,12 @@ class ItemCatalog:
     # --- writing ------------------------------------------------------------------------
 
     def write(self, path: str | os.PathLike) -> None:
-        """Writes the binary form: extended records when the catalog is extended."""
-        if self.is_extended:
+        """Writes the form `read` reads back from `path`: text for a .txt/.csv suffix
+        (`write_text`), else binary, extended records when the catalog is extended. Whole or
+        not at all: a failed write leaves the file that was there."""
+        if Path(path).suffix.lower() in TEXT_SUFFIXES:
+            self.write_text(path)
+        elif self.is_extended:
             catalog_io.write_extended(path, self._item_ids, self._triples, self._dids, self._types)
         else:
             catalog_io.write_binary(path, self._item_ids, self._triples)

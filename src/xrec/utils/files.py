@@ -1,5 +1,5 @@
-"""Where xrec keeps its files (`xrec_home`), directories written whole or not at all, and
-reading a file that must be a regular one (`read_regular_file`)."""
+"""Where xrec keeps its files (`xrec_home`), files and directories written whole or not at
+all, and reading a file that must be a regular one (`read_regular_file`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Iterator
 
 __all__ = ["FileRefused", "atomic_directory", "check_regular_file", "read_regular_file",
-           "xrec_home"]
+           "write_file_atomically", "xrec_home"]
 
 
 @contextmanager
@@ -24,21 +24,55 @@ def atomic_directory(target: str | Path, replace: bool = False) -> Iterator[Path
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)   # mkdtemp's 0700 would outlive the rename
+    tmp.chmod(0o777 & ~_umask())   # mkdtemp's 0700 would outlive the rename
+    old = None
     try:
         yield tmp
         if replace and target.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}-old-", dir=target.parent))
             target.rename(old / target.name)
-            shutil.rmtree(old, ignore_errors=True)
         try:
             tmp.rename(target)
         except OSError:  # target exists: another process wrote it meanwhile
             pass
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:  # deleted only once the new target is in place
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def write_file_atomically(path: str | Path, data: bytes) -> None:
+    """Writes `data` to `path` whole or not at all: a temporary file beside it, synced, then
+    renamed over it, so a failed or killed write (a full disk, SIGKILL) leaves the old file
+    as it was and a reader never sees a part of the new one. The file gets the mode a plain
+    open would give it (the umask's)."""
+    path = Path(path)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as file:
+            os.fchmod(file.fileno(), 0o666 & ~_umask())  # mkstemp's 0600 would outlive the rename
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    """The process's umask, read where Linux shows it: setting it to read it back (the only
+    portable way) would, for that moment, give other threads' new files the wrong mode."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
 
 
 def xrec_home() -> Path:

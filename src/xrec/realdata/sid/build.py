@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from xrec.catalog import ItemCatalog
-from xrec.catalog.formats import NUM_LEVELS, write_text
+from xrec.catalog.formats import MAX_VOCAB_SIZE, NUM_LEVELS, write_text
 from xrec.realdata.data.interactions import DataError, Interactions, Split
 from xrec.utils.files import atomic_directory
 from xrec.realdata.sid.kmeans import residual_kmeans
@@ -36,6 +36,7 @@ __all__ = ["COLLISION_RULES", "DEFAULT_CODEBOOK_SIZE", "SID_BASE_TOKENS", "SidRe
 COLLISION_RULES = ("reassign", "share")
 DEFAULT_CODEBOOK_SIZE = 128  # docs/decisions.md, "Codebook size"
 SID_BASE_TOKENS = 256  # the smallest legal regular vocabulary: the trained models use this one
+MAX_SEED = 2 ** 32 - NUM_LEVELS  # level l's k-means is seeded seed + l, and takes < 2**32
 CATALOG_FILE, TEXT_CATALOG_FILE = "items.bin", "items.txt"
 
 
@@ -72,8 +73,13 @@ class SidResult:
 
 
 def sid_layout(codebook_size: int) -> SidLayout:
-    """The vocabulary of IDs with `codebook_size` codes per level."""
-    return SidLayout(num_base_tokens=SID_BASE_TOKENS, codebook_size=codebook_size)
+    """The vocabulary of IDs with `codebook_size` codes per level; ValueError naming
+    codebook_size when that vocabulary is over what a catalog can hold."""
+    layout = SidLayout(num_base_tokens=SID_BASE_TOKENS, codebook_size=codebook_size)
+    if layout.vocab_size > MAX_VOCAB_SIZE:
+        raise ValueError(f"codebook_size: got {codebook_size}, whose vocabulary of "
+                         f"{layout.vocab_size} ids is over a catalog's {MAX_VOCAB_SIZE}")
+    return layout
 
 
 def _reassign_last_level(codes: np.ndarray, residual: np.ndarray, centroids: np.ndarray,
@@ -203,7 +209,9 @@ def build_sid_dir(split: Split, out_dir: str | os.PathLike, *, embeddings: str =
 
     data = split.data
     started = time.perf_counter()
-    sid_layout(codebook_size)    # a bad size is refused before the embeddings train
+    sid_layout(codebook_size)    # a bad size or seed is refused before the embeddings train
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed: got {seed!r}, expected an integer in [0, {MAX_SEED}]")
     if collisions not in COLLISION_RULES:
         raise ValueError(f"collisions: got {collisions!r}, allowed: {', '.join(COLLISION_RULES)}")
     if embeddings == "svd":

@@ -160,7 +160,10 @@ def load_embeddings(path: str | os.PathLike, num_items: int) -> np.ndarray:
         array = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:
         raise DataError(f"embeddings file {path}: cannot read it as a .npy array ({exc})") from None
-    if array.ndim != 2 or array.dtype.kind not in "fiu":
+    if not isinstance(array, np.ndarray):   # np.load of a .npz archive gives an NpzFile
+        array.close()
+        raise DataError(f"embeddings file {path}: a .npz archive; save one array with np.save")
+    if array.ndim != 2 or 0 in array.shape[1:] or array.dtype.kind not in "fiu":
         raise DataError(f"embeddings file {path}: got a {array.dtype} array of shape "
                         f"{array.shape}, expected a 2-D numeric array [num_items, dim]")
     if array.shape[0] != num_items:

@@ -2,13 +2,15 @@
 levels 1 .. l-1 left unexplained (the residuals), one global codebook of `codebook_size`
 centroids per level. scikit-learn's KMeans does the clustering.
 
-`balanced=True`: no cluster holds more than ceil(n / k) points. After k-means, the points
+`balanced=True`: no cluster holds more than ceil(n / k) points (before `build.py`'s collision
+rule, which may move third codes). After k-means, the points
 are assigned to the centroids by an optimal assignment (least total squared distance) with
 each centroid offered that many times, and the centroids move to their points' means;
 `BALANCE_ROUNDS` times (~10 s a round for ML-1M's 3,706 items at k = 128)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +46,15 @@ def _cluster(points: np.ndarray, codebook_size: int, seed: int,
     """(labels [n] int32, centroids [k, d] float32) of one level."""
     distinct, inverse = np.unique(points, axis=0, return_inverse=True)  # [m, d], [n]
     if len(distinct) <= codebook_size:  # KMeans needs more points than clusters: exact codes
-        return inverse.reshape(-1).astype(np.int32), distinct.astype(np.float32)
+        labels = inverse.reshape(-1)  # [n]
+        counts = np.bincount(labels)  # [m]
+        if not balanced or counts.max() <= -(-len(points) // codebook_size):
+            return labels.astype(np.int32), distinct.astype(np.float32)
+        # balanced: crowded points must share out over more codes than one; start from every
+        # distinct point, then copies of the most crowded ones up to `codebook_size` codes
+        crowded_first = np.argsort(-counts, kind="stable")  # [m]
+        labels, centroids = _balance(points, distinct[np.resize(crowded_first, codebook_size)])
+        return labels.astype(np.int32), centroids.astype(np.float32)
     from sklearn.cluster import KMeans
     from threadpoolctl import threadpool_limits
 
@@ -78,6 +88,18 @@ def _balance(points: np.ndarray, centroids: np.ndarray) -> tuple[np.ndarray, np.
     return labels, centroids
 
 
+def _in_float32_range(points: np.ndarray) -> np.ndarray:
+    """`points` scaled by a power of two when their largest magnitude is far from 1, where
+    float32 squared distances would overflow (~1e19) or lose every digit to underflow, and
+    every point would fall in one cluster. k-means does not depend on the scale, and a power
+    of two changes no digit; the usual inputs (normalised rows, SVD factors) are left as
+    they are."""
+    largest = float(np.abs(points).max())
+    if largest == 0 or 2.0 ** -20 <= largest <= 2.0 ** 20:
+        return points
+    return np.ldexp(points.astype(np.float64), -math.frexp(largest)[1])  # largest in [0.5, 1)
+
+
 def residual_kmeans(embeddings: np.ndarray, levels: int = 3, codebook_size: int = 64,
                     seed: int = 0, balanced: bool = False) -> ResidualCodes:
     """Codes of `levels` levels of residual k-means over `embeddings` [n, d] (seeded:
@@ -86,12 +108,13 @@ def residual_kmeans(embeddings: np.ndarray, levels: int = 3, codebook_size: int 
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}: got {value!r}, expected an integer >= 1")
     points = np.asarray(embeddings)
-    if points.ndim != 2 or points.shape[0] == 0 or points.dtype.kind not in "fiu":
+    if (points.ndim != 2 or points.shape[0] == 0 or points.shape[1] == 0
+            or points.dtype.kind not in "fiu"):
         raise ValueError(f"embeddings: got a {points.dtype} array of shape {points.shape}, "
                          f"expected a non-empty 2-D numeric array [num_items, dim]")
     if not np.isfinite(points).all():
         raise ValueError("embeddings: NaN or infinite values")
-    residual = points.astype(np.float32)  # [n, d]
+    residual = _in_float32_range(points).astype(np.float32)  # [n, d]
     codes, centroids, residuals = [], [], []
     for level in range(levels):
         labels, level_centroids = _cluster(residual, codebook_size, seed + level, balanced)
