@@ -163,6 +163,17 @@ BAD_REQUESTS = [
     ("seed-negative", dict(token_ids=[1], seed=-1), ["seed"]),
     ("seed-negative-numpy", dict(token_ids=[1], seed=np.int64(-1)), ["seed"]),
     ("seed-float", dict(token_ids=[1], seed=1.0), ["seed"]),
+    # a review of 2026-12-06: ints beyond a float raised OverflowError, object arrays skipped
+    # the element checks (5.7 and True were taken as ids 5 and 1)
+    ("temperature-huge-int", dict(token_ids=[1], temperature=10 ** 400), ["temperature"]),
+    ("timeout-huge-int", dict(token_ids=[1], timeout_ms=10 ** 400), ["timeout_ms"]),
+    ("width-thousands-of-digits", dict(token_ids=[1], beam_width=10 ** 5000),
+     ["beam_width", "bits"]),
+    ("ids-object-floats", dict(token_ids=np.array([5.7, 17.2, 9.9], dtype=object)),
+     ["token_ids", "integer"]),
+    ("ids-object-bool", dict(token_ids=np.array([True, 17, 9], dtype=object)), ["token_ids"]),
+    ("ids-object-none", dict(token_ids=np.array([None, 17], dtype=object)), ["token_ids"]),
+    ("ids-object-text", dict(token_ids=np.array(["a", 17], dtype=object)), ["token_ids"]),
 ]
 
 
@@ -335,6 +346,13 @@ def test_recommend_async(engine):
     (dict(normalize="softmax"), "normalize"),
     (dict(device="tpu"), "device"),
     (dict(max_top_k=4, max_beam_width=8), "max_top_k"),
+    # "false" is a truthy string: it built a constrained engine
+    (dict(constrained="false"), "constrained"),
+    (dict(adaptive_threads="false"), "adaptive_threads"),
+    (dict(constrained=[]), "constrained"),
+    (dict(request_timeout_ms=10 ** 400), "request_timeout_ms"),   # then every submit failed
+    (dict(request_timeout_ms=True), "request_timeout_ms"),        # a 1 ms deadline each
+    (dict(device=None), "device"),                                # an AttributeError before
 ])
 def test_bad_engine_option(model_dir, options, word):
     with pytest.raises(ValueError, match=word):
@@ -352,3 +370,56 @@ def test_engine_option_normalize_default(model_dir):
     assert [c.score for c in full.results] == pytest.approx([c.score for c in explicit.results], abs=1e-4)
     # "allowed" renormalises over the catalog's children: its scores are higher than "full"'s
     assert allowed.results[0].score > full.results[0].score
+
+
+def test_a_queued_embedding_is_the_callers_array_as_it_was_at_submit(engine):
+    """The in-thread engine queued the caller's float32 array itself: a caller that reused
+    its buffer after submit got the next user's answer (and a NaN written after submit got
+    past the validation)."""
+    buffer = emb(3)
+    alone = recommend(engine, [RecRequest(sparse_embedding=buffer.copy(), beam_width=4)])[0]
+    engine.hold_wakeups()   # the request waits in the queue while the buffer is refilled
+    try:
+        future = engine.submit(RecRequest(sparse_embedding=buffer, beam_width=4))
+        buffer[:] = emb(5)[:3]
+        buffer[0, 0] = math.nan
+    finally:
+        engine.release_wakeups()
+    answer = wait(future)
+    assert [c.tokens for c in answer.results] == [c.tokens for c in alone.results]
+
+
+def test_np_false_exclude_history_is_false(engine):
+    """np.False_ was refused as if the filter were on ("needs a decoder-only model")."""
+    response, = recommend(engine, [good_request(beam_width=2, exclude_history=np.False_)])
+    assert len(response.results) == 2
+
+
+@pytest.mark.parametrize("grace_s", [math.inf, 1e12])
+def test_close_with_an_unbounded_grace_drains_and_ends_the_threads(model_dir, grace_s):
+    """inf (or anything over threading.TIMEOUT_MAX) overflowed the drain's waits: close
+    raised OverflowError, the threads ran on and a later close did nothing."""
+    import threading
+
+    engine = Engine.from_pretrained(model_dir, isolation="thread", device="cpu", dtype="float32",
+                                    default_beam_width=2)
+    before = set(threading.enumerate())
+    engine.hold_wakeups()
+    futures = [engine.submit(good_request()) for _ in range(6)]
+    engine.release_wakeups()
+    engine.close(grace_s)
+    assert all(len(wait(f).results) == 2 for f in futures)
+    assert [t.name for t in threading.enumerate() if t not in before] == []
+
+
+@pytest.mark.parametrize("grace_s", [None, math.nan, -1, "30", 10 ** 400],
+                         ids=["none", "nan", "negative", "text", "huge-int"])
+def test_close_with_a_bad_grace_is_refused_and_the_engine_still_closes(model_dir, grace_s):
+    engine = Engine.from_pretrained(model_dir, isolation="thread", device="cpu", dtype="float32",
+                                    default_beam_width=2)
+    with pytest.raises(InvalidArgument, match="grace_s"):
+        engine.close(grace_s)
+    assert_still_serving(engine)
+    engine.close()
+    with pytest.raises(xrec.Unavailable):
+        engine.submit(good_request())

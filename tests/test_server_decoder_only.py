@@ -615,3 +615,22 @@ def test_xrec_serve_subprocess(sid_dir, chat_len, token_to_id, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_free_decoding_reaching_ids_without_a_token_is_answered(sid_dir):
+    """The model's vocabulary (768 ids) is padded beyond its tokenizer's 588 tokens, as real
+    checkpoints are; unconstrained beams reach those ids, whose text raised inside the batch:
+    every request of it failed INTERNAL, over HTTP a 500."""
+    for served in _serve(sid_dir, generation_prefix=SID_BEGIN, constrained=False):
+        tokenizer = served.engine.tokenizer
+        assert tokenizer.vocab_size < served.engine.limits.vocab_size
+        futures = served.engine.submit_many([RecRequest(token_ids=[5, 6, 7], beam_width=16)
+                                             for _ in range(3)])
+        answers = [f.result(timeout=WAIT_S) for f in futures]
+        results = [r for answer in answers for r in answer.results]
+        beyond = [r for r in results if max(r.tokens) >= tokenizer.vocab_size]
+        assert beyond, "no result reached an id without a token: the test shows nothing"
+        assert all(r.text is None for r in beyond)
+        assert all(r.text == tokenizer.tokens_text(r.tokens) for r in results if r not in beyond)
+        body = served.post("/v1/rec/completions", {"token_ids": [5, 6, 7], "beam_width": 16})
+        assert len(body["results"]) == 16

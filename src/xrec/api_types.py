@@ -224,14 +224,14 @@ def _validate(request: RecRequest, limits: SearchLimits, rid: str, tokenizer: An
     normalize = request.normalize if request.normalize is not None else limits.default_normalize
     if normalize not in NORMALIZATIONS:
         raise InvalidArgument(f"normalize: got {normalize!r}, allowed: {', '.join(NORMALIZATIONS)}")
-    temperature = 1.0 if request.temperature is None else request.temperature
-    if (not _is_real(temperature) or not math.isfinite(temperature)
-            or not (temperature == 0 or temperature >= MIN_TEMPERATURE)):
-        raise InvalidArgument(f"temperature: got {temperature!r}, allowed: 0 (meaning 1) or a "
-                              f"finite number >= {MIN_TEMPERATURE:g}")
-    timeout = request.timeout_ms
-    if timeout is not None and (not _is_real(timeout) or not math.isfinite(timeout) or timeout <= 0):
-        raise InvalidArgument(f"timeout_ms: got {timeout!r}, expected a positive number")
+    temperature = _finite(1.0 if request.temperature is None else request.temperature)
+    if temperature is None or not (temperature == 0 or temperature >= MIN_TEMPERATURE):
+        raise InvalidArgument(f"temperature: got {_short(request.temperature)}, allowed: 0 "
+                              f"(meaning 1) or a finite number >= {MIN_TEMPERATURE:g}")
+    timeout = None if request.timeout_ms is None else _finite(request.timeout_ms)
+    if request.timeout_ms is not None and (timeout is None or timeout <= 0):
+        raise InvalidArgument(f"timeout_ms: got {_short(request.timeout_ms)}, expected a "
+                              f"positive number")
     if not isinstance(request.return_items, (bool, np.bool_)):
         raise InvalidArgument(f"return_items: got {request.return_items!r}, expected true or false")
     seed = request.seed
@@ -241,8 +241,7 @@ def _validate(request: RecRequest, limits: SearchLimits, rid: str, tokenizer: An
     prefix_len = limits.decoder_start_len if context is None else len(context)
     exclude_items, item_types, exclude_history = _filters(request, limits, tokenizer)
     return ValidRequest(rid, token_ids, embedding, context, width, top_k, num_results, normalize,
-                        float(temperature), bool(request.return_items),
-                        None if timeout is None else float(timeout),
+                        temperature, bool(request.return_items), timeout,
                         None if seed is None else int(seed), prefix_len, exclude_items,
                         item_types, exclude_history)
 
@@ -254,10 +253,10 @@ def _filters(request: RecRequest, limits: SearchLimits, tokenizer: Any,
     so each needs a constrained engine; which types the catalog holds is checked when the
     batch runs, on the batch's own catalog."""
     given = [name for name in ("exclude_items", "item_types") if getattr(request, name) is not None]
-    if request.exclude_history is not False:
-        if not isinstance(request.exclude_history, (bool, np.bool_)):
-            raise InvalidArgument(f"exclude_history: got {request.exclude_history!r}, expected "
-                                  "true or false")
+    if not isinstance(request.exclude_history, (bool, np.bool_)):
+        raise InvalidArgument(f"exclude_history: got {request.exclude_history!r}, expected "
+                              "true or false")
+    if request.exclude_history:
         if limits.accepts_embeddings or tokenizer is None:
             raise InvalidArgument("exclude_history: needs a decoder-only model with a tokenizer "
                                   "(its prompt names items by their semantic IDs)")
@@ -298,7 +297,10 @@ def _item_ids(values: Any, max_items: int) -> np.ndarray:
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:   # an int of over 4,300 digits has no repr
+        text = f"an integer of {value.bit_length()} bits"
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -327,13 +329,25 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
+def _finite(value: Any) -> float | None:
+    """`value` as a finite float, or None for anything else: not a real number, NaN, infinite,
+    or an int too large for a float (math.isfinite(10**400) raises OverflowError)."""
+    if not _is_real(value):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def _int(name: str, value: Any, default: int, low: int, high: int) -> int:
     if value is None:
         value = default
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise InvalidArgument(f"{name}: got {value!r}, expected an integer")
+        raise InvalidArgument(f"{name}: got {_short(value)}, expected an integer")
     if not low <= value <= high:
-        raise InvalidArgument(f"{name}: got {value}, allowed range [{low}, {high}]")
+        raise InvalidArgument(f"{name}: got {_short(value)}, allowed range [{low}, {high}]")
     return int(value)
 
 
@@ -370,10 +384,13 @@ def _integers(values: Any) -> np.ndarray:
     """`values` as an array; a list of Python ints beyond int64 (which numpy turns into
     uint64, float64 or object) as an object array of those ints, compared exactly."""
     array = np.asarray(values)
-    if array.dtype.kind in "fO" and array.ndim == 1 and not isinstance(values, np.ndarray):
+    is_float_list = array.dtype.kind == "f" and not isinstance(values, np.ndarray)
+    if array.ndim == 1 and (array.dtype.kind == "O" or is_float_list):
+        # object arrays too: comparisons and the int64 cast would take 5.7 or True as ids
         exact = np.asarray(values, dtype=object)
-        if all(isinstance(v, int) and not isinstance(v, bool) for v in exact):
-            return exact                                 # an error path: some int is too wide
+        if all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+               for v in exact):
+            return exact                 # (from a list: an error path, some int is too wide)
         if array.dtype.kind == "O":
             raise TypeError("not every element is an integer")
     return array
@@ -396,4 +413,5 @@ def _matrix(name: str, values: Any, width: int) -> np.ndarray:
         row, col = np.argwhere(~finite)[0]
         raise InvalidArgument(f"{name}[{row}][{col}]: got {array[row, col]} as float32; NaN, Inf and "
                               f"values beyond the float32 range are not allowed")
-    return np.ascontiguousarray(array)
+    # a copy: the request is queued, and a caller may reuse its buffer once submit returns
+    return np.array(array, order="C", copy=True)

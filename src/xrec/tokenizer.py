@@ -252,14 +252,12 @@ class PromptTokenizer:
             return None
         return self._tokenizer.id_to_token(int(token_id))
 
-    def tokens_text(self, ids) -> str:
-        """The token strings concatenated, e.g. "<s_a_340><s_b_6566><s_c_5603>"."""
+    def tokens_text(self, ids) -> str | None:
+        """The token strings concatenated, e.g. "<s_a_340><s_b_6566><s_c_5603>"; None when an
+        id has none: a model's vocabulary is often padded beyond its tokenizer's (OpenOneRec:
+        176,384 ids, 176,247 tokens), and unconstrained search may reach those ids."""
         tokens = [self.id_to_token(token_id) for token_id in ids]
-        if None in tokens:
-            bad = list(ids)[tokens.index(None)]
-            raise ValueError(f"token id {bad!r} has no token in this tokenizer "
-                             f"({self.vocab_size} tokens)")
-        return "".join(tokens)
+        return None if None in tokens else "".join(tokens)
 
     def known_ids(self, num: int) -> np.ndarray:
         """[num] bool: which ids below `num` have a token."""
@@ -285,6 +283,7 @@ class PromptTokenizer:
         `add_special_tokens` is false: a generation prefix continues a prompt)."""
         if not isinstance(text, str):
             raise InvalidArgument(f"prompt: got {type(text).__name__}, expected a string")
+        _check_encodable("prompt", text)
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def render_chat(self, messages: Any) -> str:
@@ -301,4 +300,16 @@ class PromptTokenizer:
 
     def encode_chat(self, messages: Any) -> list[int]:
         """Token ids of the rendered chat; no special tokens added (the template has them)."""
-        return self._tokenizer.encode(self.render_chat(messages), add_special_tokens=False).ids
+        text = self.render_chat(messages)
+        _check_encodable("messages", text)
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def _check_encodable(field: str, text: str) -> None:
+    """A lone UTF-16 surrogate ("\\ud800", which JSON cannot carry but Python strings can)
+    makes the tokenizer raise a TypeError; here it is the caller's error, named."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(f"{field}: character {exc.start} is a lone surrogate "
+                              f"({text[exc.start]!r}), not text") from None

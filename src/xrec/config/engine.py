@@ -9,6 +9,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from xrec.config.keys import DTYPES
+from xrec.errors import InvalidArgument
+
+MAX_GRACE_S = 86_400.0   # close(grace_s): a day of draining at most (`checked_grace_s`)
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -79,26 +82,22 @@ class EngineOptions:
         if self.max_beam_width > self.max_beams_per_batch:
             raise ValueError(f"option max_beam_width: got {self.max_beam_width}, must be <= "
                              f"max_beams_per_batch={self.max_beams_per_batch}")
-        if not (isinstance(self.max_memory_utilization, (int, float))
-                and 0 < self.max_memory_utilization <= 1):
+        if not (_is_number(self.max_memory_utilization) and 0 < self.max_memory_utilization <= 1):
             raise ValueError(f"option max_memory_utilization: got {self.max_memory_utilization!r}, "
                              "allowed: 0 < value <= 1")
-        if self.retain_host_memory is not None and not isinstance(self.retain_host_memory, bool):
-            raise ValueError(f"option retain_host_memory: got {self.retain_host_memory!r}, "
-                             "allowed: true, false, or None (where the engine owns its process)")
-        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"option cuda_graphs: got {self.cuda_graphs!r}, allowed: true, false, "
-                             "or None (on for CUDA)")
-        if self.fused_kernels is not None and not isinstance(self.fused_kernels, bool):
-            raise ValueError(f"option fused_kernels: got {self.fused_kernels!r}, allowed: true, "
-                             "false, or None (on for a CPU model in bfloat16 or float16)")
+        for name, default in _SWITCHES.items():   # "false" is a truthy str: never taken as one
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"option {name}: got {value!r}, allowed: true, false, or None "
+                                 f"({default})")
         if self.normalize not in ("allowed", "full"):
             raise ValueError(f"option normalize: got {self.normalize!r}, allowed: 'allowed', 'full'")
         if self.dtype not in ("auto",) + DTYPES:
             raise ValueError(f"option dtype: got {self.dtype!r}, allowed: 'auto', {', '.join(DTYPES)}")
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+        if not (isinstance(self.device, str) and (self.device in ("auto", "cpu", "cuda")
+                                                  or self.device.startswith("cuda:"))):
             raise ValueError(f"option device: got {self.device!r}, allowed: 'auto', 'cpu', 'cuda', 'cuda:N'")
-        if not (isinstance(self.batch_wait_ms, (int, float)) and 0 <= self.batch_wait_ms <= 60_000):
+        if not (_is_number(self.batch_wait_ms) and 0 <= self.batch_wait_ms <= 60_000):
             raise ValueError(f"option batch_wait_ms: got {self.batch_wait_ms!r}, allowed: [0, 60000]")
         prefix = self.generation_prefix
         if prefix is not None and not isinstance(prefix, str):
@@ -110,7 +109,7 @@ class EngineOptions:
                 raise ValueError(f"option generation_prefix: got {prefix!r}, allowed: text, a list of "
                                  "token ids, or None")
         if self.request_timeout_ms is not None and not (
-                isinstance(self.request_timeout_ms, (int, float)) and self.request_timeout_ms > 0):
+                _is_number(self.request_timeout_ms) and self.request_timeout_ms > 0):
             raise ValueError(f"option request_timeout_ms: got {self.request_timeout_ms!r}, "
                              "expected a positive number or None")
 
@@ -148,6 +147,36 @@ class EngineOptions:
             raise ValueError(f"unknown engine option(s) {unknown}; allowed: "
                              f"{sorted(f.name for f in fields(cls))}")
         return cls(**options)
+
+
+# the options that are true, false or None, and what None means
+_SWITCHES = {"constrained": "on when a catalog is loaded",
+             "adaptive_threads": "on unless XREC_ADAPTIVE_THREADS=0",
+             "retain_host_memory": "where the engine owns its process",
+             "cuda_graphs": "on for CUDA",
+             "fused_kernels": "on for a CPU model in bfloat16 or float16"}
+
+
+def _is_number(value: Any) -> bool:
+    """An int or float that converts to a float (10**400 does not); not a bool."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
+
+
+def checked_grace_s(grace_s: Any) -> float:
+    """`close(grace_s)`'s seconds, checked before an engine starts closing: a number >= 0.
+    Infinity ("as long as it takes") is MAX_GRACE_S: threads cannot wait longer than
+    threading.TIMEOUT_MAX, and an inf that overflowed a wait left the engine's threads
+    running and its queued requests unanswered."""
+    if not _is_number(grace_s) or not grace_s >= 0:   # NaN too
+        raise InvalidArgument(f"grace_s: got {grace_s!r}, expected seconds >= 0 (infinity: "
+                              f"{MAX_GRACE_S:g})")
+    return min(float(grace_s), MAX_GRACE_S)
 
 
 def _check_range(name: str, value: Any, low: int, high: int) -> None:

@@ -23,6 +23,7 @@ from xrec.api_types import CatalogVersion, SearchLimits, ValidRequest
 from xrec.catalog import ItemCatalog
 from xrec.catalog.sid_vocab import random_catalog_of_size
 from xrec.config import EngineOptions, FamilyConfig, read_model_config
+from xrec.config.engine import checked_grace_s
 from xrec.config.sizes import size_config
 from xrec.engine.catalogs import CatalogSlots, ServedCatalog, serve_catalog
 from xrec.engine.executor import AnswerSettings, EngineBatch, Executor
@@ -286,6 +287,7 @@ class Engine(EngineFrontend):
         (UNAVAILABLE), and the threads end. Idempotent. Called on one of the engine's own
         threads (a done-callback runs on the pipeline that answered), it returns at once and
         the engine closes on a thread of its own."""
+        grace_s = checked_grace_s(grace_s)
         detached = self._finalizer.detach()
         if detached is not None:
             _close_off_own_threads(*detached[2], grace_s)

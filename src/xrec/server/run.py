@@ -39,6 +39,7 @@ from typing import Any
 
 import uvicorn
 
+from xrec.config.engine import MAX_GRACE_S
 from xrec.engine.frontend import EngineFrontend
 from xrec.server.app import create_app
 from xrec.server.service import XrecService
@@ -47,7 +48,6 @@ from xrec.server.limits import ConnectionLimits, protocol_class
 logger = logging.getLogger("xrec.server")
 
 HTTP_TAIL_S = 10.0   # after the engine drained: how long answers may take to be written
-MAX_GRACE_S = 86_400    # --grace-s: a day of draining at most
 BACKLOG = 2048
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -139,7 +139,7 @@ def serve(args: argparse.Namespace, model_dir: str, engine_options: dict[str, An
         raise
     service: XrecService = app.state.xrec
     if not 0 <= args.grace_s <= MAX_GRACE_S:   # also NaN; inf overflowed the drain's waits
-        raise ValueError(f"--grace-s: got {args.grace_s}, expected seconds in [0, {MAX_GRACE_S}]")
+        raise ValueError(f"--grace-s: got {args.grace_s}, expected seconds in [0, {MAX_GRACE_S:g}]")
     limits = connection_limits(args)
     _reserve_file_descriptors(limits.max_connections)
     sock = listen(args.host, args.port)
