@@ -411,4 +411,14 @@ def test_bad_codebook_size_is_refused_before_the_embeddings_train(tmp_path, monk
     for seed in (-1, 2 ** 32 - 1, 0.5, True):
         with pytest.raises(ValueError, match="seed"):
             build_sid_dir(SPLIT, tmp_path / "sid", embeddings="sasrec", seed=seed)
+    monkeypatch.setattr(sid_build, "MAX_BALANCED_ITEMS", SPLIT.data.num_items - 1)
+    with pytest.raises(ValueError, match="balanced: 61 items"):   # an [n, n] matrix at n = 50k:
+        build_sid_dir(SPLIT, tmp_path / "sid", embeddings="sasrec", balanced=True)   # 20 GB
     assert not (tmp_path / "sid").exists()
+
+
+@pytest.mark.parametrize("dim", [0, 10 ** 8])
+def test_svd_dim_is_bounded(tmp_path, dim):
+    """`--dim 100000000` allocated [items, dim] float64 until memory ran out."""
+    with pytest.raises(ValueError, match=r"dim: got \d+, expected an integer in \[1, 4096\]"):
+        build_sid_dir(SPLIT, tmp_path / "sid", embeddings="svd", dim=dim)

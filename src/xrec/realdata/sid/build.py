@@ -36,6 +36,7 @@ __all__ = ["COLLISION_RULES", "DEFAULT_CODEBOOK_SIZE", "SID_BASE_TOKENS", "SidRe
 COLLISION_RULES = ("reassign", "share")
 DEFAULT_CODEBOOK_SIZE = 128  # docs/decisions.md, "Codebook size"
 SID_BASE_TOKENS = 256  # the smallest legal regular vocabulary: the trained models use this one
+MAX_BALANCED_ITEMS = 20_000  # --balanced: kmeans._balance's [n, ~n] float64 cost, 3.2 GB here
 MAX_SEED = 2 ** 32 - NUM_LEVELS  # level l's k-means is seeded seed + l, and takes < 2**32
 CATALOG_FILE, TEXT_CATALOG_FILE = "items.bin", "items.txt"
 
@@ -212,6 +213,11 @@ def build_sid_dir(split: Split, out_dir: str | os.PathLike, *, embeddings: str =
     sid_layout(codebook_size)    # a bad size or seed is refused before the embeddings train
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
         raise ValueError(f"seed: got {seed!r}, expected an integer in [0, {MAX_SEED}]")
+    if embeddings == "svd":
+        embed.check_dim(dim)
+    if balanced and data.num_items > MAX_BALANCED_ITEMS:
+        raise ValueError(f"balanced: {data.num_items} items, over the {MAX_BALANCED_ITEMS} its "
+                         f"optimal assignment can hold in memory (an items x items matrix)")
     if collisions not in COLLISION_RULES:
         raise ValueError(f"collisions: got {collisions!r}, allowed: {', '.join(COLLISION_RULES)}")
     if embeddings == "svd":

@@ -34,6 +34,16 @@ def _l2_normalize(rows: np.ndarray) -> np.ndarray:
     return rows / np.where(norms > 0, norms, 1)
 
 
+MAX_DIM = 4096   # SVD components: past the item count they are zero columns, memory alone
+
+
+def check_dim(dim: object) -> None:
+    """The SVD's `dim`: an integer in [1, MAX_DIM] (`--dim 100000000` allocated until memory
+    ran out)."""
+    if not isinstance(dim, int) or isinstance(dim, bool) or not 1 <= dim <= MAX_DIM:
+        raise ValueError(f"dim: got {dim!r}, expected an integer in [1, {MAX_DIM}]")
+
+
 def interaction_embeddings(split: Split, dim: int = 64, seed: int = 0) -> np.ndarray:
     """float32 [num_items, dim]: a truncated SVD of the item × user matrix of `split.train`.
 
@@ -46,8 +56,7 @@ def interaction_embeddings(split: Split, dim: int = 64, seed: int = 0) -> np.nda
     as someone's validation or test item) get a zero row; so does any column beyond X's rank
     (a matrix smaller than `dim`), so the shape is always [num_items, dim].
     """
-    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
-        raise ValueError(f"dim: got {dim!r}, expected an integer >= 1")
+    check_dim(dim)
     from scipy import sparse
 
     num_items, num_users = split.data.num_items, split.data.num_users
