@@ -16,7 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from concurrent.futures import wait
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 import pytest
@@ -359,3 +359,50 @@ def test_filters_cross_to_the_child_and_answer_as_in_thread(model_dir, engine):
         assert not {i.item_id for r in g.results for i in r.items} & set(request.exclude_items)
         assert [(r.tokens, [i.item_id for i in r.items]) for r in g.results] == \
             [(r.tokens, [i.item_id for i in r.items]) for r in w.results]
+
+
+def _idle_and_not_serving(stats: EngineStats) -> bool:
+    return (not stats.is_serving and stats.num_requests_waiting == stats.num_batches_running
+            == stats.num_pipelines_busy == stats.workspace_bytes_in_use == 0)
+
+
+def test_stats_after_close_or_the_childs_death_say_not_serving(model_dir):
+    """`stats()` raised `Unavailable` once the child was gone or the engine closed (and
+    /metrics answered 500), while a closed in-thread engine's says is_serving=False."""
+    with Engine.from_pretrained(model_dir, isolation="thread", device="cpu") as local:
+        pass
+    killed = Engine.from_pretrained(model_dir, isolation="process", device="cpu")
+    assert killed.stats().is_serving
+    os.kill(killed.pid, signal.SIGKILL)
+    deadline = time.monotonic() + WAIT_S
+    while killed._link.error is None and time.monotonic() < deadline:   # the death is noticed
+        time.sleep(0.01)
+    stats = killed.stats()
+    assert _idle_and_not_serving(stats) and stats.num_pipelines == local.stats().num_pipelines
+    killed.close()
+    closed = Engine.from_pretrained(model_dir, isolation="process", device="cpu")
+    closed.close()
+    assert _idle_and_not_serving(closed.stats()) and _idle_and_not_serving(local.stats())
+    assert not (killed.is_serving or closed.is_serving or local.is_serving)
+
+
+def test_reads_of_a_stopped_child_are_bounded(model_dir):
+    """`stats()` and the catalog versions waited on a stopped child (SIGSTOP) for ever; they
+    raise `Unavailable` after READ_TIMEOUT_S (2 s) now, and the child's late answers, once
+    it runs again, are dropped without harm."""
+    engine = Engine.from_pretrained(model_dir, isolation="process", device="cpu")
+    pool = ThreadPoolExecutor(max_workers=2)
+    try:
+        os.kill(engine.pid, signal.SIGSTOP)
+        reads = [pool.submit(engine.stats), pool.submit(lambda: engine.catalog_versions())]
+        for read in reads:   # a hang shows as a timeout here
+            assert isinstance(read.exception(timeout=20), Unavailable)
+        assert engine.is_serving      # stopped is not gone
+        os.kill(engine.pid, signal.SIGCONT)
+        assert engine.stats().is_serving and engine._receiver.is_alive()
+        assert engine.catalog_versions() == (engine.catalog_version, None)
+        assert engine.recommend(_requests(1))[0].results
+    finally:
+        os.kill(engine.pid, signal.SIGCONT)
+        pool.shutdown(wait=False)
+        engine.close()

@@ -7,8 +7,9 @@ unknown fields), through Hypothesis. Every answer must be a documented status,
 never a 5xx, in the JSON error shape (`ErrorBody`) or a valid result (the
 route's response schema), with `X-Request-Id` equal to the body's id. Two
 servers: the tiny encoder-decoder model and a tiny decoder-only model with a
-chat template (so that chat and prompt requests can succeed). Derandomized, so
-that CI runs the same examples each time.
+chat template (so that chat and prompt requests can succeed), each with catalog loads on
+over an empty catalog directory (the admin routes' path checks answer every load).
+Derandomized, so that CI runs the same examples each time.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ httpx = pytest.importorskip("httpx")
 from hypothesis import HealthCheck, settings  # noqa: E402
 from schemathesis import checks  # noqa: E402
 from test_server import WAIT_S  # noqa: E402
-from test_server_hostile import limited_server  # noqa: E402
+from test_server_hostile import limited_app_server  # noqa: E402
 
 from xrec import Engine  # noqa: E402
 from xrec.demo import write_random_model  # noqa: E402
 from xrec.server import openapi  # noqa: E402
+from xrec.server.app import create_app  # noqa: E402
 
 MODELS = {"onerec": ("tiny", {}),
           "decoder-only": ("qwen3-sid-test", {"generation_prefix": "<|sid_begin|>",
@@ -39,7 +41,8 @@ def fuzzed(request, tmp_path_factory):
     size, options = MODELS[request.param]
     model_dir = write_random_model(tmp_path_factory.mktemp(request.param) / size, size, 0, 500)
     engine = Engine.from_pretrained(model_dir, isolation="thread", device="cpu", **options)
-    running = limited_server(engine)
+    catalog_dir = tmp_path_factory.mktemp(f"{request.param}-catalogs")
+    running = limited_app_server(create_app(engine, catalog_dir=catalog_dir))
     yield running
     running.stop()
     engine.close(5)
@@ -53,8 +56,10 @@ schema = schemathesis.openapi.from_dict(openapi.document(is_auth_on=False))
 def test_the_fuzzed_document_is_the_served_one(fuzzed):
     served = httpx.get(fuzzed.url + "/openapi.json", timeout=WAIT_S).json()
     assert served == json.loads(json.dumps(openapi.document(is_auth_on=False)))
-    assert set(served["paths"]) >= {"/v1/rec/completions", "/v1/completions",
-                                    "/v1/chat/completions", "/health", "/metrics"}
+    assert set(served["paths"]) == {"/v1/rec/completions", "/v1/completions",
+                                    "/v1/chat/completions", "/health", "/metrics",
+                                    "/v1/models", "/v1/models/{name}", "/openapi.json",
+                                    "/v1/admin/catalog", "/v1/admin/catalog/restore"}
 
 
 @schema.parametrize()

@@ -121,6 +121,12 @@ class CatalogSlots:
     def previous(self) -> ServedCatalog | None:
         return self._slots[1]
 
+    def versions(self) -> tuple[CatalogVersion | None, CatalogVersion | None]:
+        """The current and the previous catalog's versions from one read of the pair: two
+        reads could straddle a restore and name one version as both."""
+        current, previous = self._slots
+        return current.version, None if previous is None else previous.version
+
     def replace(self, build: Callable[[], ServedCatalog]) -> ServedCatalog:
         """Let go of the previous catalog, `build()` the new one (it raises to refuse it:
         nothing is swapped) and make it current; the current one becomes the previous."""

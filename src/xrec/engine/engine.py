@@ -227,6 +227,9 @@ class Engine(EngineFrontend):
         previous = self._catalogs.previous
         return None if previous is None else previous.version
 
+    def catalog_versions(self) -> tuple[CatalogVersion | None, CatalogVersion | None]:
+        return self._catalogs.versions()
+
     def load_catalog(self, catalog: str | os.PathLike | ItemCatalog,
                      extended: bool | None = None) -> CatalogVersion:
         """Load a new catalog (a file, read as `ItemCatalog.read` does, or an `ItemCatalog`),
@@ -254,7 +257,9 @@ class Engine(EngineFrontend):
                 is_extended = extended if extended is not None else \
                     current is not None and current.is_extended
                 loaded = ItemCatalog.read(catalog, self.model.config.vocab_size, is_extended)
-                source = str(Path(catalog).resolve())
+                # text that is valid UTF-8 (JSON answers, metrics labels): bytes of a name that
+                # do not decode are written as \xNN, not kept as surrogates
+                source = os.fsencode(Path(catalog).resolve()).decode("utf-8", "backslashreplace")
             try:
                 return self._serve_catalog(loaded, source)
             except ValueError as exc:   # InvalidArgument is a ValueError too

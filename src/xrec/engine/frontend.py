@@ -3,7 +3,8 @@
 `EngineFrontend` is the type the server, `xrec batch` and Ray hold: the edge (validation
 against the engine's `limits`, prompt tokenization), the request API built on two
 primitives each engine implements (`submit_valid`, `submit_valid_many`), the catalog's
-hot reload, and `stats()`, a snapshot of the engine's load (`EngineStats`).
+hot reload, and `stats()`, a snapshot of the engine's load (`EngineStats`; once an engine
+is closed, or its process is gone, no load and `is_serving=False`).
 """
 
 from __future__ import annotations
@@ -81,6 +82,12 @@ class EngineFrontend:
     def stats(self) -> EngineStats:
         raise NotImplementedError
 
+    @property
+    def is_serving(self) -> bool:
+        """Takes new work (`stats().is_serving`), known without waiting on anything: `/health`
+        reads it on the server's event loop."""
+        return self.stats().is_serving
+
     def hold_wakeups(self) -> None:
         """Requests submitted until `release_wakeups()` queue without waking the scheduler,
         so requests accepted one by one but together (an HTTP burst) can share a batch.
@@ -108,6 +115,11 @@ class EngineFrontend:
     @property
     def previous_catalog_version(self) -> CatalogVersion | None:
         """The version `restore_catalog()` would bring back, or None."""
+        raise NotImplementedError
+
+    def catalog_versions(self) -> tuple[CatalogVersion | None, CatalogVersion | None]:
+        """(`catalog_version`, `previous_catalog_version`) read at once: the two properties
+        read one after the other may straddle a restore and name one version as both."""
         raise NotImplementedError
 
     def load_catalog(self, catalog: str | os.PathLike | ItemCatalog,

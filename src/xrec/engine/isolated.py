@@ -28,7 +28,10 @@ Deadlines count from the submission here (`arrived_at`: a `time.monotonic()` val
 system-wide on Linux, so the child's scheduler and executor use it as it is). If the
 child has not answered DEADLINE_MARGIN_S after a request's deadline (stopped, swapped
 out, stuck in a long round), this side answers DEADLINE_EXCEEDED itself; the child's
-late answer is then dropped (its arena regions are still freed only then).
+late answer is then dropped (its arena regions are still freed only then). The reads
+`stats()` and `catalog_versions()` likewise wait at most READ_TIMEOUT_S for the child; once
+the child is gone or the engine closed, `stats()` says so (`is_serving=False`, no load)
+instead of raising, as a closed in-thread engine's does.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import sys
 import threading
 import time
 import weakref
-from concurrent.futures import Future
+from concurrent.futures import Future, wait as wait_futures
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -67,6 +70,10 @@ START_TIMEOUT_S = 600.0
 CLOSE_MARGIN_S = 10.0
 DEADLINE_MARGIN_S = 0.05   # the child answers a deadline itself; this side this much later
 MAX_TIMER_WAIT_S = 1.0     # the deadline timer looks at the clock at least this often
+# stats() and catalog_versions() wait this long for the child: a running child answers in about
+# a millisecond, a stopped one never, and /metrics must still answer within a scrape's timeout
+# (Prometheus: 10 s by default)
+READ_TIMEOUT_S = 2.0
 
 
 @dataclass
@@ -172,8 +179,9 @@ class _Link:
             return
         if kind == "return" or (kind == "error" and message[1] in self.calls):
             with self.lock:
-                future = self.calls.pop(message[1])
-            _settle(future, message[2], kind == "error")
+                future = self.calls.pop(message[1], None)
+            if future is not None:   # None: the caller stopped waiting (a read's timeout)
+                _settle(future, message[2], kind == "error")
             return
         with self.lock:
             entry = self.pending.pop(message[1], None)
@@ -346,8 +354,23 @@ class ProcessEngine(EngineFrontend):
         self._link.send(("release",))
 
     def stats(self) -> EngineStats:
-        """The child engine's `stats()`."""
-        return self.call("stats")
+        """The child engine's `stats()`; once the child is gone or the engine is closed, no
+        load and `is_serving=False`. `Unavailable` when a running child does not answer
+        within READ_TIMEOUT_S (stopped, swapped out)."""
+        try:
+            return self._remote("stats", (), READ_TIMEOUT_S)
+        except Unavailable:
+            if self._link.error is None:
+                raise
+        return EngineStats(self.num_pipelines, 0, 0, 0,
+                           self.workspace_per_pipeline * self.num_pipelines, 0, None,
+                           is_serving=False)
+
+    @property
+    def is_serving(self) -> bool:
+        """The child runs and the engine is not closed: known here, without a round trip (a
+        stopped child still counts as serving)."""
+        return self._link.error is None
 
     def add_report_hook(self, hook: Callable[[BatchReport], None]) -> None:
         """Call `hook(BatchReport)` after every batch (on this engine's receiver thread)."""
@@ -365,7 +388,9 @@ class ProcessEngine(EngineFrontend):
         """The child engine's attribute `name` (picklable)."""
         return self._remote(name, None)
 
-    def _remote(self, name: str, args: tuple | None) -> Any:
+    def _remote(self, name: str, args: tuple | None, timeout_s: float | None = None) -> Any:
+        """`name(*args)` (None: the attribute `name`) in the child; past `timeout_s` (None: no
+        bound) `Unavailable`, and the child's late answer is dropped."""
         future: Future = Future()
         seq = next(self._seq)
         with self._link.lock:
@@ -373,7 +398,12 @@ class ProcessEngine(EngineFrontend):
                 raise self._link.error
             self._link.calls[seq] = future
         self._link.send(("call", seq, name, args))
-        return future.result()
+        if wait_futures((future,), timeout_s).done:
+            return future.result()
+        with self._link.lock:
+            self._link.calls.pop(seq, None)
+        raise Unavailable(f"the engine process did not answer {name} within {timeout_s:g} s "
+                          "(stopped, or swapped out)")
 
     # ---- the catalog (hot reload, run in the child) --------------------------
 
@@ -384,6 +414,10 @@ class ProcessEngine(EngineFrontend):
     @property
     def previous_catalog_version(self) -> CatalogVersion | None:
         return self.get("previous_catalog_version")
+
+    def catalog_versions(self) -> tuple[CatalogVersion | None, CatalogVersion | None]:
+        """Both versions in one round trip (at most READ_TIMEOUT_S)."""
+        return self._remote("catalog_versions", (), READ_TIMEOUT_S)
 
     def load_catalog(self, catalog: str | os.PathLike | ItemCatalog,
                      extended: bool | None = None) -> CatalogVersion:

@@ -25,8 +25,13 @@ Decisions where the issue is silent:
   file's text (a load names any file, not only catalogs). The routes need the API key
   like every route but `/health`; with a catalog directory and no key, the server logs a
   warning at start: it trusts its network for loads too.
-- The load runs on a worker thread; the event loop keeps answering. Loads and
-  restores run one at a time (a second waits for the first).
+- Loads and restores run on a thread of their own, one at a time (a second waits for the
+  first); the event loop keeps answering. Not on asyncio's default pool: large request
+  bodies are parsed there (service.py), and loads queued on it held its threads (a 1.1 MB
+  request waited 29 s behind six loads).
+- The answer's two versions are read at once (`catalog_versions()`, one round trip to a
+  process-isolated engine's child, on a worker thread): read one after the other, they
+  could straddle a restore and name one version as both.
 - A file that fails a check is 400 INVALID_ARGUMENT naming the problem, and the
   current catalog keeps serving. A load lets go of the previous version before it
   reads the new file (two catalogs in memory at most), so after a load refused by the
@@ -40,9 +45,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import orjson
 from fastapi import FastAPI, Request
@@ -55,6 +61,7 @@ from xrec.server.service import XrecService, error_response, read_body
 from xrec.utils.files import FileRefused, check_regular_file
 
 if TYPE_CHECKING:
+    from xrec.api_types import CatalogVersion
     from xrec.engine.frontend import EngineFrontend
 
 logger = logging.getLogger(__name__)
@@ -100,7 +107,7 @@ class CatalogFiles:
         return real, real.relative_to(self.directory).as_posix()
 
     def load(self, engine: EngineFrontend, path: str, extended: bool | None) -> None:
-        """Check `path` and load it into `engine` (blocking: runs on a worker thread)."""
+        """Check `path` and load it into `engine` (blocking: runs on the catalog thread)."""
         real, name = self.resolve(path)
         try:
             check_regular_file(real, self.max_bytes)
@@ -119,26 +126,30 @@ def add_catalog_routes(app: FastAPI, service: XrecService,
     if files is not None and service.api_key is None:
         logger.warning("catalog loads from %s are on without an API key: whoever reaches "
                        "the server may load any catalog file there", files.directory)
+    changes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xrec-catalog")
 
-    @app.get("/v1/admin/catalog")
-    async def catalog_versions() -> Response:
-        return await _change(service, None, None)
+    async def on_changes_thread(change: Callable[..., Any], *args: Any) -> None:
+        await asyncio.get_running_loop().run_in_executor(changes, change, *args)
 
-    @app.post("/v1/admin/catalog")
-    async def load_catalog(request: Request) -> Response:
+    # one route for both methods: with a route each, the 405 for any other method named
+    # only the first route's method in its Allow header
+    @app.api_route("/v1/admin/catalog", methods=["GET", "POST"])
+    async def catalog(request: Request) -> Response:
         async def load(engine: EngineFrontend) -> None:
             if files is None:
                 raise NotFound("catalog loads are off on this server: start it with "
                                "--catalog-dir DIR to load catalog files from DIR")
             body = await read_body(request, MAX_ADMIN_BODY_BYTES)
             parsed = schemas.parse_body(body, CatalogLoadRequest)
-            await asyncio.to_thread(files.load, engine, parsed.path, parsed.extended)
+            await on_changes_thread(files.load, engine, parsed.path, parsed.extended)
+        if request.method == "GET":
+            return await _change(service, None, None)
         return await _change(service, "load", load)
 
     @app.post("/v1/admin/catalog/restore")
     async def restore_catalog() -> Response:
         async def restore(engine: EngineFrontend) -> None:
-            await asyncio.to_thread(engine.restore_catalog)
+            await on_changes_thread(engine.restore_catalog)
         return await _change(service, "restore", restore)
 
 
@@ -150,7 +161,7 @@ async def _change(service: XrecService, action: str | None,
         engine = service._engine_or_503()
         if change is not None:
             await change(engine)
-        answer = _versions(engine)
+        answer = _versions(*await asyncio.to_thread(engine.catalog_versions))
     except XrecError as e:
         code, answer = e.code, error_response(e)
     except Exception as e:  # a server bug: answer it, keep serving
@@ -163,8 +174,7 @@ async def _change(service: XrecService, action: str | None,
     return answer
 
 
-def _versions(engine: EngineFrontend) -> Response:
-    current, previous = engine.catalog_version, engine.previous_catalog_version
+def _versions(current: CatalogVersion | None, previous: CatalogVersion | None) -> Response:
     body = {"current": None if current is None else current.to_dict(),
             "previous": None if previous is None else previous.to_dict()}
     return Response(orjson.dumps(body), media_type="application/json")

@@ -6,8 +6,8 @@
     POST /v1/completions       xllm-compatible (schemas.XllmRequest)
     POST /v1/chat/completions  OpenAI / xllm chat (chat.ChatRequest), models with a chat template
     GET  /v1/models            OpenAI list shape; GET /v1/models/{name}
-    GET  /health               200 serving; 503 loading or draining
-    GET  /metrics              Prometheus text
+    GET  /health               200 serving; 503 loading, draining, or the engine cannot serve
+    GET  /metrics              Prometheus text (rendered on a worker thread)
     GET  /openapi.json         OpenAPI 3.1 document (openapi.py)
     GET  /v1/admin/catalog     catalog versions; POST loads one, POST .../restore (admin.py)
 
@@ -17,6 +17,10 @@ Decisions where docs/serving.md leaves a choice:
   KEY` (probes carry no secrets and health reveals nothing); `/metrics` is protected
   too. Auth is checked before routing, so an unknown path without a key is 401, with
   a key 404. Keys are compared in constant time.
+- The event loop never waits on the engine: `/health` reads `engine.is_serving` (no round
+  trip to a process-isolated engine's child) and `/metrics` renders on a worker thread,
+  where `stats()` may wait on that child (bounded); one scrape of a stopped child froze
+  every route before.
 - 404 for unknown paths and 405 (code INVALID_ARGUMENT) for a wrong method answer in
   the error shape of every other error.
 - Bodies are parsed by hand for exact error statuses, so FastAPI's own schema would be
@@ -27,6 +31,7 @@ Decisions where docs/serving.md leaves a choice:
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import os
 from pathlib import Path
@@ -151,11 +156,15 @@ def create_app(engine: EngineFrontend | None, *, served_model_name: str | None =
         if service.is_draining or service.engine is None:
             state = "draining" if service.is_draining else "loading"
             return error_response(Unavailable(f"server is {state}"))
+        if not service.engine.is_serving:
+            return error_response(Unavailable("the engine takes no new work (closed, its "
+                                              "scheduler stopped, or its process exited)"))
         return {"status": "ok", "model": service.model_name}
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(service.metrics.render(), media_type=service.metrics.content_type)
+        body = await asyncio.to_thread(service.metrics.render)
+        return Response(body, media_type=service.metrics.content_type)
 
     @app.get("/openapi.json")
     async def openapi_document() -> dict:

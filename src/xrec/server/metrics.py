@@ -3,7 +3,11 @@ so that several apps in one process do not collide).
 
 Batch metrics come from the engine's report hook (`BatchReport`, called on a
 pipeline thread; prometheus_client metrics are thread-safe). Gauges come from one
-`engine.stats()` per scrape (`EngineStats`: the same for both engine kinds). Per-round
+`engine.stats()` per scrape (`EngineStats`: the same for both engine kinds). A scrape
+renders on a worker thread (app.py): a process-isolated engine's `stats()` is a round trip
+to its child, bounded (`isolated.READ_TIMEOUT_S`); when the engine cannot say (a stopped
+child), the scrape still answers, with `xrec_ready` 0 and the load gauges and graph
+counters 0. Per-round
 time is the batch's run time divided by the engine's `rounds` (the run time includes
 host preparation and item conversion, so this is an upper bound of the device time of
 one round).
@@ -22,7 +26,8 @@ and restores through the admin routes by outcome.
 
 For alerts (ops/prometheus/xrec-alerts.yml): `xrec_ready` is 1 while the engine is loaded
 and takes new work (`EngineStats.is_serving`), 0 while loading, once a drain has closed
-the engine, or when its scheduler stopped; `xrec_request_queue_limit` and (with a default
+the engine, when its scheduler stopped, or when a process-isolated engine's child is gone or
+does not answer; `xrec_request_queue_limit` and (with a default
 deadline) `xrec_request_timeout_seconds` are the engine's `request_queue_size` and
 `request_timeout_ms`. `process_*` are prometheus_client's process metrics (Linux): the
 serving process's memory, CPU and file descriptors (a process-isolated engine's child is
@@ -31,6 +36,7 @@ not counted).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -40,10 +46,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from xrec.errors import XrecError
+
 if TYPE_CHECKING:
     from xrec.config.engine import EngineOptions
     from xrec.engine.frontend import EngineFrontend, EngineStats
     from xrec.engine.requests import BatchReport
+
+logger = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                    30.0, 60.0)
@@ -145,14 +155,15 @@ ENGINE_GAUGES = {
 class _EngineCollector(Collector):
     """The engine's load, readiness and its current catalog version from one `stats()` per
     scrape (a catalog swap shows at once, and the previous version's labels vanish); 0
-    while the engine loads (the limits and the catalog are absent then)."""
+    while the engine loads (the limits and the catalog are absent then) or cannot say (the
+    catalog is absent then)."""
 
     def __init__(self, metrics: ServerMetrics):
         self.metrics = metrics
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         engine = self.metrics._engine
-        stats = None if engine is None else engine.stats()
+        stats = None if engine is None else _stats_or_none(engine)
         for name, (doc, value) in ENGINE_GAUGES.items():
             yield GaugeMetricFamily(name, doc, value=0.0 if stats is None else value(stats))
         for name, doc, value in (
@@ -162,15 +173,27 @@ class _EngineCollector(Collector):
                  lambda s: s.graph_replays)):
             yield CounterMetricFamily(name, doc, value=0.0 if stats is None else value(stats))
         yield GaugeMetricFamily("xrec_ready", "1 while the engine is loaded and takes new work, "
-                                "else 0 (loading, closed by a drain, scheduler stopped)",
+                                "else 0 (loading, closed by a drain, scheduler stopped, engine "
+                                "process gone or not answering)",
                                 value=float(stats is not None and stats.is_serving))
-        if stats is not None:
+        if engine is not None:
             info = GaugeMetricFamily("xrec_model_info", "The model serving (value 1): its "
                                      "family and the dtype it runs in", labels=["family", "dtype"])
             info.add_metric([engine.family, engine.dtype], 1.0)
             yield info
             yield from _limit_gauges(engine.options)
+        if stats is not None:
             yield from _catalog_gauges(stats)
+
+
+def _stats_or_none(engine: EngineFrontend) -> EngineStats | None:
+    """`engine.stats()`, or None when the engine cannot say (a process-isolated engine's child
+    that does not answer in time): the scrape answers without it instead of failing."""
+    try:
+        return engine.stats()
+    except XrecError as exc:
+        logger.warning("metrics without the engine's stats: %s", exc)
+        return None
 
 
 def _limit_gauges(options: EngineOptions) -> Iterator[GaugeMetricFamily]:

@@ -13,6 +13,12 @@ they are answered 400 with the allowed range. The item filters (`exclude_items`,
 `/v1/chat/completions` answer `stream: true` with `text/event-stream` (stream.py); as
 OpenAPI 3.1 has no stream schema, its `schema` describes one event, whose `data` is
 `[DONE]` or a JSON chunk (`CompletionChunk`, `ChatChunk`: `contentSchema`).
+
+Every route the app serves is here, the catalog administration (admin.py) and this document
+included, with the statuses it answers: 408 and 431 (limits.py: a head or body not received
+in time, a head over its limit) on every operation. A method a path does not list is 405
+with `Allow` (`components.responses.MethodNotAllowed`; OpenAPI has no place for the methods
+a path lacks).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
 from xrec.server import chat, schemas
+from xrec.server.admin import CatalogLoadRequest
 
 REF = "#/components/schemas/{model}"
 ERROR_STATUSES = {"400": "malformed JSON or a value out of range", "401": "missing or wrong "
@@ -32,6 +39,11 @@ ERROR_STATUSES = {"400": "malformed JSON or a value out of range", "401": "missi
                   "429": "queue full, or a request larger than a pipeline can hold",
                   "499": "the client went away", "503": "loading or draining",
                   "504": "the request's deadline passed"}
+# what any request may be answered below the routes (limits.py); the connection closes
+CONNECTION_STATUSES = {"408": "the request's head or body was not received in time",
+                       "431": "request line and headers over the limit"}
+METHOD_NOT_ALLOWED = ("a method this path does not list (INVALID_ARGUMENT); `Allow` names "
+                      "those it does")
 
 
 class ErrorDetail(BaseModel):
@@ -173,6 +185,49 @@ class ChatChunk(BaseModel):
     usage: dict[str, int] | None = Field(None, description=USAGE)
 
 
+class XrecCard(BaseModel):
+    family: str
+    dtype: str
+    fused_kernels: bool
+
+
+class ModelCard(BaseModel):
+    """OpenAI's model object; `xrec` once the model is loaded."""
+
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    xrec: XrecCard | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    model: str
+
+
+class CatalogVersion(BaseModel):
+    """One loaded catalog (`xrec.api_types.CatalogVersion`)."""
+
+    content_hash: str
+    num_items: int
+    loaded_at: float
+    source: str | None
+    is_extended: bool
+
+
+class CatalogVersions(BaseModel):
+    """The catalog serving new batches and the one a restore brings back."""
+
+    current: CatalogVersion | None
+    previous: CatalogVersion | None
+
+
 # route -> request examples valid for any served model of the route's family
 EXAMPLES = {
     "/v1/rec/completions": {
@@ -210,11 +265,16 @@ COMPLETIONS = {
 }
 
 
+# answers of the routes other than the completions
+ANSWERS = (ModelList, ModelCard, Health, CatalogVersions)
+
+
 @lru_cache(maxsize=1)
 def _components() -> dict:
-    models = [(m, "validation") for _, m, _ in COMPLETIONS.values()]
+    models = [(m, "validation") for m in (*(m for _, m, _ in COMPLETIONS.values()),
+                                          CatalogLoadRequest)]
     models += [(m, "serialization") for m in (ErrorBody, *(r for _, _, r in COMPLETIONS.values()),
-                                              *STREAMED.values())]
+                                              *STREAMED.values(), *ANSWERS)]
     _, defs = models_json_schema(models, ref_template=REF)
     return defs["$defs"]
 
@@ -227,42 +287,98 @@ def _event(chunk: dict) -> dict:
     return {"type": "object", "required": ["data"], "properties": {"data": data}}
 
 
-def document(is_auth_on: bool, title: str = "xrec", version: str = "0") -> dict:
-    """The OpenAPI 3.1 document of the app's routes (bearer auth when `is_auth_on`)."""
-    def ref(model: type[BaseModel]) -> dict:
-        return {"$ref": REF.format(model=model.__name__)}
+def _ref(model: type[BaseModel]) -> dict:
+    return {"$ref": REF.format(model=model.__name__)}
 
-    errors = {status: {"description": text,
-                       "content": {"application/json": {"schema": ref(ErrorBody)}}}
-              for status, text in ERROR_STATUSES.items()}
-    paths: dict[str, Any] = {}
+
+def _json(description: str, model: type[BaseModel] | None = None) -> dict:
+    """A response of `model`'s JSON (None: any JSON object)."""
+    schema = {"type": "object"} if model is None else _ref(model)
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _errors(statuses: dict[str, str]) -> dict:
+    """Error responses (`ErrorBody`) for these statuses and those of the connection limits."""
+    return {status: _json(text, ErrorBody)
+            for status, text in {**statuses, **CONNECTION_STATUSES}.items()}
+
+
+def _completions() -> dict:
+    paths = {}
     for path, (summary, request, response) in COMPLETIONS.items():
-        ok = {"description": "results, best first",
-              "content": {"application/json": {"schema": ref(response)}}}
+        ok = _json("results, best first", response)
         if path in STREAMED:
             ok["description"] += STREAM_EVENTS
-            ok["content"]["text/event-stream"] = {"schema": _event(ref(STREAMED[path]))}
+            ok["content"]["text/event-stream"] = {"schema": _event(_ref(STREAMED[path]))}
         paths[path] = {"post": {
             "summary": summary,
             "requestBody": {"required": True,
-                            "content": {"application/json": {"schema": ref(request),
+                            "content": {"application/json": {"schema": _ref(request),
                                                              "examples": EXAMPLES[path]}}},
-            "responses": {"200": ok, **errors}}}
-    plain = {"200": {"description": "OK"}, "401": errors["401"]}
-    paths["/v1/models"] = {"get": {"summary": "The served model", "responses": plain}}
-    paths["/v1/models/{name}"] = {"get": {
-        "summary": "One model", "responses": {**plain, "404": errors["404"]},
-        "parameters": [{"name": "name", "in": "path", "required": True,
-                        "schema": {"type": "string"}}]}}
-    paths["/health"] = {"get": {"summary": "200 serving, 503 loading or draining",
-                                "security": [], "responses": {"200": {"description": "serving"},
-                                                              "503": errors["503"]}}}
-    paths["/metrics"] = {"get": {"summary": "Prometheus metrics", "responses": {
-        "200": {"description": "Prometheus text", "content": {"text/plain": {}}},
-        "401": errors["401"]}}}
-    components: dict[str, Any] = {"schemas": _components()}
-    out = {"openapi": "3.1.0", "info": {"title": title, "version": version}, "paths": paths,
-           "components": components}
+            "responses": {"200": ok, **_errors(ERROR_STATUSES)}}}
+    return paths
+
+
+def _catalog_admin() -> dict:
+    """The catalog routes (admin.py): each answers both versions after its change."""
+    versions = _json("the current and the previous catalog version", CatalogVersions)
+    auth = {"401": ERROR_STATUSES["401"]}
+    busy = {"503": "loading or draining, or a process-isolated engine's child does not answer"}
+    load = {"required": True, "content": {"application/json": {
+        "schema": _ref(CatalogLoadRequest),
+        "examples": {"load": {"value": {"path": "items-2026-12-01.bin"}}}}}}
+    load_errors = {"400": "malformed JSON, a path outside the catalog directory, not a "
+                          "regular file, over the size limit, or a catalog that fails its "
+                          "checks", **auth,
+                   "404": "loads are off: the server has no catalog directory (--catalog-dir)",
+                   "413": "body over the size limit", "422": ERROR_STATUSES["422"],
+                   "503": busy["503"] + ", or a batch still runs on the previous catalog"}
+    return {
+        "/v1/admin/catalog": {
+            "get": {"summary": "The catalog versions",
+                    "responses": {"200": versions, **_errors({**auth, **busy})}},
+            "post": {"summary": "Load a catalog file from the catalog directory",
+                     "requestBody": load, "responses": {"200": versions, **_errors(load_errors)}}},
+        "/v1/admin/catalog/restore": {"post": {
+            "summary": "Make the previous catalog current again",
+            "responses": {"200": versions, **_errors({**auth, "404": "no previous version to "
+                                                                     "restore", **busy})}}}}
+
+
+def _other_routes() -> dict:
+    auth = {"401": ERROR_STATUSES["401"]}
+    return {
+        "/v1/models": {"get": {"summary": "The served model", "responses": {
+            "200": _json("the served model, in OpenAI's list shape", ModelList),
+            **_errors(auth)}}},
+        "/v1/models/{name}": {"get": {
+            "summary": "One model",
+            "responses": {"200": _json("the model", ModelCard),
+                          **_errors({**auth, "404": "not the served model"})},
+            "parameters": [{"name": "name", "in": "path", "required": True,
+                            "schema": {"type": "string"}}]}},
+        "/health": {"get": {
+            "summary": "200 serving, 503 loading, draining, or the engine cannot serve",
+            "security": [], "responses": {
+                "200": _json("serving", Health),
+                **_errors({"503": "loading, draining, or the engine takes no new work"})}}},
+        "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
+            "200": {"description": "Prometheus text", "content": {"text/plain": {}}},
+            **_errors(auth)}}},
+        "/openapi.json": {"get": {"summary": "This document", "responses": {
+            "200": _json("OpenAPI 3.1"), **_errors(auth)}}},
+    }
+
+
+def document(is_auth_on: bool, title: str = "xrec", version: str = "0") -> dict:
+    """The OpenAPI 3.1 document of the app's routes (bearer auth when `is_auth_on`)."""
+    paths = {**_completions(), **_other_routes(), **_catalog_admin()}
+    components: dict[str, Any] = {
+        "schemas": _components(),
+        "responses": {"MethodNotAllowed": _json(METHOD_NOT_ALLOWED, ErrorBody)}}
+    out = {"openapi": "3.1.0", "info": {"title": title, "version": version,
+                                        "description": f"405: {METHOD_NOT_ALLOWED}."},
+           "paths": paths, "components": components}
     if is_auth_on:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         out["security"] = [{"bearer": []}]
