@@ -7,20 +7,26 @@ to fp32 rounding (an sgemm's last bits may depend on its buffers' alignment, whi
 differs between processes; MKL calls this conditional numerical reproducibility). Serve: the plain server's
 malformed-request table gives the same statuses through Ray Serve's proxy; killing one
 replica's process during load fails only requests in flight on it (the proxy's own 500),
-and Serve replaces it.
+and Serve replaces it. `xrec serve --ray`'s start-up and shutdown: replicas the cluster cannot
+place are refused and a signal stops a start that waits for them, start-up errors are one
+ValueError, a full replica answers 429, SIGTERM drains with 503 before the app goes.
 No wall-time assertions: every wait is bounded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +46,8 @@ from xrec.scale.batch import BatchJob, run_batch  # noqa: E402
 from xrec.scale.batch_ray import RayOptions, pool_size, run_batch_ray  # noqa: E402
 from xrec.scale.rows import RowSettings, read_output  # noqa: E402
 from xrec.scale.serve_app import (APP_NAME, DEPLOYMENT_NAME, PROXY_CALLBACK,  # noqa: E402
-                                  PROXY_CALLBACK_VARIABLE, ServeOptions, replica_infos, start)
+                                  PROXY_CALLBACK_VARIABLE, ServeOptions, replica_infos,
+                                  serve_forever, start, start_serve)
 
 VOCAB = 64
 WAIT_S = 120.0
@@ -74,12 +81,44 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def app_url(cluster, model_dir):
+def serve_port(cluster) -> int:
+    """Serve on the cluster, its proxy on this port for the whole module (Serve keeps its
+    HTTP options until it is shut down)."""
     port = free_port()
+    start_serve("127.0.0.1", port)
+    return port
+
+
+@pytest.fixture(scope="module")
+def app_url(serve_port, model_dir):
     start(ServeOptions(str(model_dir), num_replicas=2, replica_cpus=0.25, grace_s=2.0),
-          "127.0.0.1", port)
-    yield f"http://127.0.0.1:{port}"
+          "127.0.0.1", serve_port)
+    yield f"http://127.0.0.1:{serve_port}"
     serve.delete(APP_NAME)
+
+
+@pytest.fixture
+def own_app(serve_port):
+    """For a test that deploys `xrec serve --ray`'s own application (APP_NAME at /): it runs
+    before `app_url` deploys the shared one (the file's order), and leaves none behind."""
+    assert APP_NAME not in serve.status().applications, "run before the app_url fixture"
+    yield
+    serve.delete(APP_NAME)
+
+
+@contextlib.contextmanager
+def within(seconds: float):
+    """A TimeoutError in the main thread after `seconds`: a hang fails instead."""
+    def expire(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(scope="module")
@@ -205,6 +244,164 @@ def test_a_line_that_is_not_utf8_is_refused_before_ray_starts(tmp_path, model_di
         "reads only UTF-8 (without --ray that row alone fails)")
 
 
+# ---- serve: start-up and shutdown (own_app: before the shared app) ------------------------------
+
+KEY = "test-key"
+HEAVY = {"token_ids": [int(t) for t in np.random.default_rng(5).integers(0, VOCAB, 3000)],
+         "beam_width": 512}
+
+
+def signal_when(is_time, sig: int) -> threading.Thread:
+    """A thread that sends `sig` to this process once `is_time()` (never after WAIT_S)."""
+    def wait_then_signal() -> None:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            if is_time():
+                os.kill(os.getpid(), sig)
+                return
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=wait_then_signal, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_replicas_the_cluster_cannot_place_are_refused_and_a_signal_stops_a_start(
+        own_app, serve_port, model_dir, monkeypatch):
+    """Serve waits for a replica it cannot place without a limit, and SIGTERM / SIGINT only
+    set a flag read after the start: more replicas than the free CPUs are one error line
+    before anything deploys; one the check cannot see (a resource no node has here; CPUs
+    split between nodes, a lost node) is stopped by a signal."""
+    done = subprocess.run([sys.executable, "-m", "xrec", "serve", "--ray", "--address",
+                           ray.get_runtime_context().gcs_address, "--model", str(model_dir),
+                           "--port", str(serve_port), "--replicas", "3", "--replica-cpus", "1"],
+                          capture_output=True, text=True, timeout=WAIT_S)
+    assert done.returncode == 1, done.stderr
+    assert re.fullmatch(r"xrec serve: error: --replicas 3 x --replica-cpus 1 = 3 CPU\(s\), but "
+                        r"the Ray cluster has [0-9.]+ free; Serve would wait for the replicas "
+                        r"without end: ask for less, or add nodes",
+                        done.stderr.strip().splitlines()[-1]), done.stderr
+    assert APP_NAME not in serve.status().applications
+
+    placeable = ServeOptions.deployment_options
+
+    def unplaceable(self) -> dict:
+        options = placeable(self)
+        options["ray_actor_options"]["resources"] = {"xrec_test_no_node_has_it": 1}
+        return options
+
+    monkeypatch.setattr(ServeOptions, "deployment_options", unplaceable)
+    signal_when(lambda: APP_NAME in serve.status().applications, signal.SIGINT)
+    with within(WAIT_S):
+        assert serve_forever(ServeOptions(str(model_dir), replica_cpus=0.25, grace_s=0.0), None,
+                             "127.0.0.1", serve_port) == 0
+    # deleted without waiting there: Serve waits grace_s + 5 s for the replica it never placed
+    deadline = time.monotonic() + WAIT_S
+    while APP_NAME in serve.status().applications and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert APP_NAME not in serve.status().applications
+
+
+def test_start_errors_are_one_value_error(own_app, serve_port, model_dir, tmp_path, monkeypatch):
+    """Serve running on another port kept it and the app was not where --port said; replicas
+    that fail to start were Serve's RuntimeError (a traceback from `xrec serve`) without
+    their reason."""
+    options = ServeOptions(str(model_dir), replica_cpus=0.25)
+    other = free_port()
+    with pytest.raises(ValueError, match=f"^--host 127.0.0.1 --port {other}: Ray Serve already "
+                                         f"runs on this cluster on 127.0.0.1:{serve_port} "):
+        start(options, "127.0.0.1", other)
+    assert APP_NAME not in serve.status().applications
+
+    once = ServeOptions.deployment_options   # one try of the constructor, not three: faster
+    monkeypatch.setattr(ServeOptions, "deployment_options",
+                        lambda self: {**once(self), "max_constructor_retry_count": 1})
+    (tmp_path / "no-weights").mkdir()
+    shutil.copy(model_dir / "config.json", tmp_path / "no-weights")   # ServeOptions reads it
+    with pytest.raises(ValueError, match=r"^the replicas failed to start: .*CheckpointError: "
+                                         r"no \*\.safetensors file in "):
+        start(ServeOptions(str(tmp_path / "no-weights"), replica_cpus=0.25), "127.0.0.1",
+              serve_port)
+
+
+def outcome(response: httpx.Response) -> tuple[int, str]:
+    """(status, xrec's error code; "OK"; or the text of an answer not in xrec's shape)."""
+    if response.status_code == 200:
+        return 200, "OK"
+    if response.headers.get("content-type", "").startswith("application/json"):
+        return response.status_code, response.json()["error"]["code"]
+    return response.status_code, response.text
+
+
+def post(url: str, body: dict) -> tuple[int, str]:
+    with httpx.Client(base_url=url, timeout=WAIT_S,
+                      headers={"Authorization": f"Bearer {KEY}"}) as client:
+        try:
+            return outcome(client.post("/v1/rec/completions", json=body))
+        except httpx.HTTPError as e:
+            return 0, type(e).__name__
+
+
+def until_refused(url: str, stops: list) -> None:
+    """Heavy requests one after another until one is answered neither 200 nor 429: that
+    answer, with its time."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        status, code = post(url, HEAVY)
+        if status not in (200, 429):
+            stops.append((time.monotonic(), status, code))
+            return
+
+
+def burst_then_sigterm(url: str, seen: dict) -> None:
+    """Once the app answers: its replicas' metrics URLs, a burst of 12 heavy requests, then
+    3 clients in a loop and SIGTERM to this process (serve_forever's)."""
+    deadline = time.monotonic() + WAIT_S
+    while post(url, {**HEAVY, "token_ids": [1]})[0] != 200:
+        if time.monotonic() > deadline:
+            return   # never up: `within` ends serve_forever
+        time.sleep(0.2)
+    try:
+        seen["metrics_urls"] = [info["metrics_url"] for info in replica_infos(1)]
+        with ThreadPoolExecutor(12) as pool:
+            seen["burst"] = list(pool.map(lambda _: post(url, HEAVY), range(12)))
+        seen["stops"] = stops = []
+        clients = [threading.Thread(target=until_refused, args=(url, stops), daemon=True)
+                   for _ in range(3)]
+        for client in clients:
+            client.start()
+        time.sleep(1.0)
+    finally:
+        os.kill(os.getpid(), signal.SIGTERM)
+    for client in clients:
+        client.join(WAIT_S)
+
+
+def test_a_full_replica_answers_429_and_sigterm_drains_with_503(own_app, serve_port, model_dir):
+    """Through Serve as from `xrec serve`: requests past the engine's capacity get the
+    engine's 429 (Serve's proxy queued them without a bound: all 200, seconds late); SIGTERM
+    drains the replica, new requests 503 UNAVAILABLE in xrec's JSON, before the application
+    goes (it went at once: Serve's plain-text 404). With an API key a replica opens no
+    metrics port of its own (it answered without the key)."""
+    options = ServeOptions(str(model_dir), api_key=KEY, replica_cpus=0.25, grace_s=30.0,
+                           engine_options={"num_threads": 1, "request_queue_size": 2,
+                                           "max_seqs_per_batch": 1})
+    seen: dict = {}
+    client = threading.Thread(target=burst_then_sigterm,
+                              args=(f"http://127.0.0.1:{serve_port}", seen), daemon=True)
+    client.start()
+    with within(3 * WAIT_S):
+        assert serve_forever(options, None, "127.0.0.1", serve_port) == 0
+    client.join(WAIT_S)
+    assert seen["metrics_urls"] == [None]
+    # the engine holds 3: the rest refused at once (they waited for their turn, all 200)
+    statuses = [status for status, _ in seen["burst"]]
+    assert set(statuses) == {200, 429} and statuses.count(200) <= 6, seen["burst"]
+    assert (429, "RESOURCE_EXHAUSTED") in seen["burst"]   # the engine's own, in xrec's JSON
+    assert len(seen["stops"]) == 3
+    assert min(seen["stops"])[1:] == (503, "UNAVAILABLE"), seen["stops"]
+
+
 # ---- serve ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path, body, status, code",
@@ -230,7 +427,8 @@ def test_routes_health_and_metrics_are_xrec_serves(client, cluster):
     assert "xrec_requests_total" in client.get("/metrics").text
     infos = replica_infos(2)
     assert len({i["pid"] for i in infos}) == 2
-    for info in infos:   # each replica's own registry
+    for info in infos:   # each replica's own registry, on the loopback interface only
+        assert info["metrics_url"].startswith("http://127.0.0.1:")
         assert metric(info["metrics_url"], "xrec_pipelines") == 1.0
 
 
@@ -308,7 +506,7 @@ def test_build_app_takes_serve_runs_text_arguments(model_dir):
     options = ServeOptions(str(model_dir), engine_options={"max_seqs_per_batch": 32},
                            num_replicas=3, replica_cpus=0.5).deployment_options()
     assert options["num_replicas"] == 3 and options["ray_actor_options"]["num_cpus"] == 0.5
-    assert options["max_ongoing_requests"] == 1024 + 32   # the engine's queue + one batch
+    assert options["max_ongoing_requests"] == 2 * (1024 + 32)   # the engine's capacity, twice
     scaled = ServeOptions(str(model_dir), num_replicas=1, max_replicas=4).deployment_options()
     assert scaled["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4,
                                             "target_ongoing_requests": 64}

@@ -201,9 +201,9 @@ def _check_serve_args(args: argparse.Namespace) -> None:
     would block the load, /dev/zero would never end it)."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port: got {args.port}, port must be 0–65535")
-    if args.ray and args.catalog_dir is not None:
-        raise ValueError("--catalog-dir: catalog loads are not served with --ray (each replica "
-                         "holds its own catalog)")
+    if args.ray:
+        from xrec.scale.cli import check_serve_ray_args
+        check_serve_ray_args(args)
     from xrec.server.admin import DEFAULT_MAX_CATALOG_BYTES
     from xrec.utils.files import FileRefused, check_regular_file
     max_bytes = args.max_catalog_bytes

@@ -148,6 +148,29 @@ def add_serve_ray_flags(serve: argparse.ArgumentParser) -> None:
     group.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs each replica reserves")
 
 
+# `xrec serve`'s own connection handling (xrec.server.limits); with --ray, Serve's proxy
+# takes the connections
+CONNECTION_FLAGS = ("max_header_bytes", "header_timeout_s", "body_timeout_s", "keep_alive_s",
+                    "max_connections")
+
+
+def check_serve_ray_args(args: argparse.Namespace) -> None:
+    """The `xrec serve` flags that --ray cannot apply, refused before Ray starts (they were
+    accepted and ignored)."""
+    if args.catalog_dir is not None:
+        raise ValueError("--catalog-dir: catalog loads are not served with --ray (each replica "
+                         "holds its own catalog)")
+    given = ["--" + name.replace("_", "-") for name in CONNECTION_FLAGS
+             if getattr(args, name) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)}: connection limits are `xrec serve`'s own; with "
+                         "--ray, Ray Serve's proxy takes the connections (its RAY_SERVE_* "
+                         "settings)")
+    if args.port == 0:
+        raise ValueError("--port 0: --ray needs a fixed port (Serve's proxies listen on it on "
+                         "every node, and report no port they picked)")
+
+
 def run_serve_ray(args: argparse.Namespace, model_dir: str, engine_options: dict) -> int:
     require_ray("--ray")
     from xrec.scale.serve_app import ServeOptions, serve_forever

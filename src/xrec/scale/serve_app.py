@@ -13,12 +13,20 @@ Decisions where the issue is silent:
 - A replica reserves `replica_cpus` CPUs (and `replica_gpus` GPUs); its engine's
   intra-op threads are that CPU share (at least 1) unless `num_threads` is given, and
   it runs in thread isolation (the replica is already a process of its own).
-- `max_ongoing_requests` = the engine's queue plus a full batch per pipeline
-  (`request_queue_size + max_concurrency * max_seqs_per_batch`), so a full replica
-  answers 429 from its own scheduler, as `xrec serve` does, and Serve never holds
-  back a request the engine could still batch. Autoscaling (`max_replicas` above
-  `num_replicas`) targets one full batch per pipeline ongoing per replica: more than
-  that means requests wait in the engine's queue.
+  `xrec serve --ray` refuses replicas the cluster's free CPUs / GPUs cannot hold
+  (`check_fits`): Serve would wait for them without a limit and say nothing.
+- Every option is checked when `ServeOptions` is made (the engine options, the model
+  directory's config.json too), before Ray starts; a deployment whose replicas fail to
+  start is one ValueError with the replica's error (`deploy`).
+- `max_ongoing_requests` = twice the engine's capacity (`request_queue_size +
+  max_concurrency * max_seqs_per_batch`): the requests past that capacity still reach a
+  replica, whose engine answers 429 at once, as `xrec serve` does; with only the
+  capacity, Serve's proxy held them in an unbounded queue and nothing was refused.
+  The proxy queues as many more at most (`max_queued_requests`), then answers 429
+  itself (plain text, `Retry-After: 1`). A request's `timeout_ms` counts from its
+  reaching the replica. Autoscaling (`max_replicas` above `num_replicas`) targets one
+  full batch per pipeline ongoing per replica: more than that means requests wait in
+  the engine's queue.
 - Health: a replica is healthy while its engine accepts work (not closed, its
   scheduler thread alive); Serve's health check calls `check_health` and replaces a
   replica that fails it. `/health` through the proxy means what it means for
@@ -27,15 +35,21 @@ Decisions where the issue is silent:
   by the proxy, in plain text (the proxy writes that answer itself, outside any
   middleware), never left hanging; the other replicas are not affected.
 - Metrics: `/metrics` through the proxy is the metrics of whichever replica answered;
-  each replica also serves its own registry on an ephemeral port of its node
-  (`replica_info()`: pid, replica id, metrics URL; `xrec serve --ray` logs them).
-- Shutdown: SIGTERM / SIGINT deletes the application; each replica closes its
-  engine with `grace_s` (Serve's graceful shutdown waits for requests in flight).
+  without an API key each replica also serves its own registry on an ephemeral port of
+  the loopback interface (`replica_info()`: pid, replica id, metrics URL; `xrec serve
+  --ray` logs them), for a scraper on its node. With a key there is no such port: it
+  would answer without the key.
+- Shutdown: SIGTERM / SIGINT drains every replica (`XrecReplica.drain`: new requests
+  503 UNAVAILABLE, as `xrec serve` answers them, while the engine finishes its own, for
+  `grace_s` at most), then deletes the application; each replica closes its engine
+  with `grace_s`. A signal while the application starts stops the start.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -43,12 +57,18 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field, fields
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterator
+
+from xrec.config import EngineOptions, read_model_config
+from xrec.config.engine import MAX_GRACE_S, _parse_bool, parse_generation_prefix
 
 logger = logging.getLogger("xrec.server")
 
 APP_NAME = "xrec"
 DEPLOYMENT_NAME = "XrecReplica"
+METRICS_HOST = "127.0.0.1"   # a replica's own metrics port: for a scraper on its node only
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 @dataclass(frozen=True)
@@ -77,14 +97,25 @@ class ServeOptions:
             raise ValueError(f"--replica-cpus: got {self.replica_cpus}, expected > 0")
         if not 0 <= self.replica_gpus <= 64:
             raise ValueError(f"--replica-gpus: got {self.replica_gpus}, expected >= 0")
-        if self.grace_s < 0:
-            raise ValueError(f"--grace-s: got {self.grace_s}, expected >= 0")
+        # also NaN; inf overflowed the drain's waits (`xrec serve` refuses the same)
+        if not (isinstance(self.grace_s, (int, float)) and 0 <= self.grace_s <= MAX_GRACE_S):
+            raise ValueError(f"--grace-s: got {self.grace_s}, expected seconds in "
+                             f"[0, {MAX_GRACE_S:g}]")
+        if self.max_body_bytes is not None and (isinstance(self.max_body_bytes, bool) or not
+                                                isinstance(self.max_body_bytes, int)
+                                                or self.max_body_bytes < 1):
+            raise ValueError(f"--max-body-bytes: got {self.max_body_bytes!r}, expected an "
+                             "integer >= 1")
         if self.api_key is not None:
             from xrec.server.service import checked_api_key
             try:
                 checked_api_key(self.api_key)
             except ValueError as e:
                 raise ValueError(f"--api-key / XREC_API_KEY: {str(e)[len('api key: '):]}") from None
+        self.replica_engine()
+        # the replicas read it on their nodes (the same path on every node); a missing one
+        # failed there, after Ray had started, as a traceback
+        read_model_config(Path(self.model_dir) / "config.json")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, model_dir: str, engine_options: dict,
@@ -102,17 +133,22 @@ class ServeOptions:
             options["device"] = "cuda"
         return options
 
+    def replica_engine(self) -> EngineOptions:
+        """One replica's engine options, checked (ValueError naming the option)."""
+        return EngineOptions.from_kwargs(**self.replica_engine_options())
+
     def deployment_options(self) -> dict:
         """Serve's options of the deployment (see the module docstring for the mapping)."""
-        from xrec.config import EngineOptions
-
-        engine = EngineOptions.from_kwargs(**self.replica_engine_options())
+        engine = self.replica_engine()
         pipelines = engine.max_concurrency or (2 if self.replica_gpus > 0 else 1)
         per_batch = pipelines * engine.max_seqs_per_batch
+        max_ongoing = 2 * (engine.request_queue_size + per_batch)   # the engine's capacity, twice
         options: dict[str, Any] = {
             "name": DEPLOYMENT_NAME,
             "ray_actor_options": {"num_cpus": self.replica_cpus, "num_gpus": self.replica_gpus},
-            "max_ongoing_requests": engine.request_queue_size + per_batch,
+            "max_ongoing_requests": max_ongoing,
+            "max_queued_requests": max_ongoing,
+            "backpressure_config": {"status_code": 429, "retry_after_s": 1},
             "graceful_shutdown_timeout_s": self.grace_s + 5.0,
             "health_check_period_s": 2.0,
             "health_check_timeout_s": 30.0,
@@ -139,7 +175,9 @@ class XrecReplica:
                                   options.replica_engine_options(), owns_process=True)
         self.http_app = create_app(self.engine, served_model_name=options.served_model_name,
                               api_key=options.api_key, max_body_bytes=options.max_body_bytes)
-        self._metrics_url = _serve_metrics(self.http_app.state.xrec.metrics.registry)
+        self.service = self.http_app.state.xrec
+        # with a key, no port of its own: it would answer without the key
+        self._metrics_url = None if options.api_key else _serve_metrics(self.service.metrics.registry)
 
     def __serve_build_asgi_app__(self) -> Any:   # (`app` is Serve's own attribute)
         return self.http_app
@@ -150,12 +188,26 @@ class XrecReplica:
             raise RuntimeError("the engine is closed or its scheduler has stopped")
 
     def replica_info(self) -> dict:
-        """Who this replica is: pid, Serve's replica id, node, its own metrics URL."""
+        """Who this replica is: pid, Serve's replica id, its own metrics URL (None with a key)."""
         from ray import serve
 
         context = serve.get_replica_context()
         return {"pid": os.getpid(), "replica_id": str(context.replica_id.unique_id),
                 "metrics_url": self._metrics_url}
+
+    async def drain(self, timeout_s: float) -> dict:
+        """`xrec serve`'s drain on this replica: from now on new requests are answered 503
+        UNAVAILABLE (and `/health`) while the engine finishes those it holds, for
+        `timeout_s` at most. {"pid", "is_idle"}."""
+        self.service.begin_drain()
+        deadline = time.monotonic() + timeout_s
+        while not self._is_idle() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)   # the event loop answers meanwhile
+        return {"pid": os.getpid(), "is_idle": self._is_idle()}
+
+    def _is_idle(self) -> bool:
+        stats = self.engine.stats()
+        return stats.num_requests_waiting == 0 and stats.num_batches_running == 0
 
     def __del__(self) -> None:   # Serve's graceful shutdown: requests in flight have finished
         engine = getattr(self, "engine", None)
@@ -164,13 +216,12 @@ class XrecReplica:
 
 
 def _serve_metrics(registry: Any) -> str:
-    """This replica's registry over HTTP on an ephemeral port of its node; the URL."""
-    import ray
+    """This replica's registry over HTTP on an ephemeral port of the loopback interface
+    (not the node's address: it would answer every host that reaches the node); the URL."""
     from prometheus_client import start_http_server
 
-    host = ray.util.get_node_ip_address()
-    server, _ = start_http_server(0, addr=host, registry=registry)
-    return f"http://{host}:{server.server_port}/metrics"
+    server, _ = start_http_server(0, addr=METRICS_HOST, registry=registry)
+    return f"http://{METRICS_HOST}:{server.server_port}/metrics"
 
 
 def deployment(options: ServeOptions) -> Any:
@@ -184,50 +235,70 @@ def application(options: ServeOptions) -> Any:
     return deployment(options).bind(options)
 
 
+# ---- serve run xrec.scale.serve_app:build_app ---------------------------------------------------
+
+BUILD_APP_RENAMES = {"model": "model_dir", "replicas": "num_replicas"}
+# how `serve run`'s text becomes an option's value: `xrec serve`'s flag parsers, and what
+# each expects
+PARSERS = {"bool": (_parse_bool, "true or false"), "int": (int, "an integer"),
+           "float": (float, "a number"),
+           "prefix": (parse_generation_prefix, "text or a JSON list of token ids")}
+
+
 def build_app(args: dict) -> Any:
     """Serve's application builder: `serve run xrec.scale.serve_app:build_app model=DIR
     replicas=2`, or `import_path: xrec.scale.serve_app:build_app` with `args:` in a Serve
     config file. Keys: the `ServeOptions` fields (`model` or `model_dir`, `replicas` for
-    `num_replicas`) and engine options by name; a missing model is the demo model."""
-    args = dict(args)
-    names = {f.name for f in fields(ServeOptions)}
-    from xrec.config import EngineOptions
-    engine_types = {f.name: str(f.type) for f in fields(EngineOptions)}
-    engine_names = set(engine_types)
-    renames = {"model": "model_dir", "replicas": "num_replicas"}
-    given: dict[str, Any] = {"engine_options": {}}
+    `num_replicas`) and engine options by name; a missing model is the demo model, a
+    missing api_key $XREC_API_KEY (as `xrec serve --ray`)."""
+    return application(build_options(args))
+
+
+def build_options(args: dict) -> ServeOptions:
+    """`build_app`'s arguments as ServeOptions: text parsed as `xrec serve` parses the flag
+    of the same option (a typo is refused, not taken as false)."""
+    serve_kinds, engine_kinds = _kinds(ServeOptions), _kinds(EngineOptions)
+    del serve_kinds["engine_options"]
+    given: dict[str, Any] = {}
+    engine_options: dict[str, Any] = {}
     for key, value in args.items():
-        key = renames.get(key, key)
-        if key in names and key != "engine_options":
-            given[key] = value
-        elif key in engine_names:
-            given["engine_options"][key] = _typed(engine_types[key], value)
+        name = BUILD_APP_RENAMES.get(key, key)
+        if name in serve_kinds:
+            given[name] = _parsed(key, serve_kinds[name], value)
+        elif name in engine_kinds:
+            engine_options[name] = _parsed(key, engine_kinds[name], value)
         else:
             raise ValueError(f"build_app: unknown argument {key!r}; allowed: "
-                             f"{sorted(names - {'engine_options'} | set(renames) | engine_names)}")
+                             f"{sorted(set(serve_kinds) | set(BUILD_APP_RENAMES) | set(engine_kinds))}")
     if "model_dir" not in given:
         from xrec.demo import demo_model_dir
         given["model_dir"] = str(demo_model_dir())
-    for key in ("num_replicas", "max_replicas", "max_body_bytes"):
-        if given.get(key) is not None:
-            given[key] = int(given[key])
-    for key in ("replica_cpus", "replica_gpus", "grace_s"):
-        if given.get(key) is not None:
-            given[key] = float(given[key])
-    return application(ServeOptions(**given))
+    if "api_key" not in given:
+        given["api_key"] = os.environ.get("XREC_API_KEY")
+    return ServeOptions(engine_options=engine_options, **given)
 
 
-def _typed(kind: str, value: Any) -> Any:
-    """`serve run key=value` gives text: numbers and booleans as the option's type."""
-    if not isinstance(value, str) or value.lower() in ("none", "null"):
-        return None if isinstance(value, str) else value
-    if kind.startswith("bool"):
-        return value.lower() in ("1", "true", "yes", "on")
-    if kind.startswith("int"):
-        return int(value)
-    if kind.startswith("float"):
-        return float(value)
-    return value
+def _kinds(options_class: type) -> dict[str, str]:
+    """Field name -> its PARSERS key ("str": kept as text), from the field's annotation."""
+    kinds = {}
+    for f in fields(options_class):
+        kind = next((k for k in ("bool", "int", "float") if str(f.type).startswith(k)), "str")
+        kinds[f.name] = "prefix" if f.name == "generation_prefix" else kind
+    return kinds
+
+
+def _parsed(key: str, kind: str, value: Any) -> Any:
+    """One argument as its option's value. `serve run key=value` gives text; a config
+    file's typed values (YAML numbers, booleans, lists) are kept as they are."""
+    if not isinstance(value, str) or kind == "str":
+        return value
+    if value.lower() in ("none", "null"):
+        return None
+    parse, expected = PARSERS[kind]
+    try:
+        return parse(value)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise ValueError(f"build_app: {key}: got {value!r}, expected {expected}") from None
 
 
 # ---- the proxy ------------------------------------------------------------------------------------
@@ -271,62 +342,203 @@ def proxy_middlewares() -> list:
 
 # ---- xrec serve --ray ---------------------------------------------------------------------------
 
+def check_fits(options: ServeOptions, free: dict[str, float]) -> None:
+    """ValueError unless `free` (`ray.available_resources()`) holds the replicas Serve
+    starts with (`--replicas`; autoscaling's minimum): Serve waits for a replica it cannot
+    place without a limit, and says nothing."""
+    for flag, resource, each in (("--replica-cpus", "CPU", options.replica_cpus),
+                                 ("--replica-gpus", "GPU", options.replica_gpus)):
+        needed, available = options.num_replicas * each, free.get(resource, 0.0)
+        if needed > available + 1e-9:
+            raise ValueError(f"--replicas {options.num_replicas} x {flag} {each:g} = {needed:g} "
+                             f"{resource}(s), but the Ray cluster has {available:g} free; Serve "
+                             "would wait for the replicas without end: ask for less, or add "
+                             "nodes")
+
+
+def start(options: ServeOptions, host: str, port: int, app_name: str = APP_NAME) -> None:
+    """Deploy on the connected cluster; returns once every replica has loaded its engine."""
+    start_serve(host, port)
+    deploy(options, app_name)
+
+
+def start_serve(host: str, port: int) -> None:
+    """Serve on the connected cluster, its proxies on `host:port`. ValueError when Serve
+    already runs there on another address: it keeps its HTTP options until `serve
+    shutdown`, and the application would not be where `--host` / `--port` say."""
+    from ray import serve
+    from ray.serve.context import _get_global_client   # the running HTTP options: no public API
+
+    serve.start(http_options={"host": host, "port": port}, logging_config={"log_level": "WARNING"})
+    running = _get_global_client().http_config
+    if (running.host, running.port) != (host, port):
+        raise ValueError(f"--host {host} --port {port}: Ray Serve already runs on this cluster "
+                         f"on {running.host}:{running.port} (it keeps that until `serve "
+                         f"shutdown`); pass --host {running.host} --port {running.port}")
+
+
+def deploy(options: ServeOptions, app_name: str = APP_NAME) -> None:
+    """The application on the running Serve, at `/`; returns once every replica has loaded
+    its engine. ValueError with a replica's error when they fail to start."""
+    from ray import serve
+
+    try:
+        serve.run(application(options), name=app_name, route_prefix="/", blocking=False)
+    except RuntimeError as e:   # DEPLOY_FAILED: the reason is in the deployment's status
+        raise ValueError(f"the replicas failed to start: {_replica_error(app_name) or e}") from None
+
+
+def _replica_error(app_name: str) -> str | None:
+    """The last line of the deployment's status message: the exception a replica's
+    constructor raised (the lines above are Serve's traceback)."""
+    from ray import serve
+
+    app = serve.status().applications.get(app_name)
+    status = app.deployments.get(DEPLOYMENT_NAME) if app is not None else None
+    lines = status.message.strip().splitlines() if status is not None else []
+    return lines[-1] if lines else None
+
+
 def replica_infos(num_replicas: int, app_name: str = APP_NAME, timeout_s: float = 30.0) -> list[dict]:
-    """`replica_info()` of every running replica (asked through the handle until each
-    has answered; Serve's router spreads the calls), sorted by pid."""
+    """`replica_info()` of every running replica, sorted by pid."""
+    return _ask_each_replica("replica_info", num_replicas, app_name, timeout_s)
+
+
+def drain(grace_s: float, app_name: str = APP_NAME) -> None:
+    """`XrecReplica.drain` on every running replica: new requests are answered 503 while the
+    engines finish theirs; returns once all are idle, or after about `grace_s`."""
+    from ray import serve
+
+    app = serve.status().applications.get(app_name)
+    states = app.deployments[DEPLOYMENT_NAME].replica_states if app is not None else {}
+    num_running = states.get("RUNNING", 0)
+    answers = _ask_each_replica("drain", num_running, app_name, grace_s + 5.0, grace_s)
+    num_idle = sum(answer["is_idle"] for answer in answers)
+    if num_idle < num_running:
+        logger.warning("xrec serve --ray: %d of %d replica(s) idle after the grace period; "
+                       "deleting the application", num_idle, num_running)
+
+
+def _ask_each_replica(method: str, num_replicas: int, app_name: str, timeout_s: float,
+                      *args: Any) -> list[dict]:
+    """`method(*args)`'s answers ({"pid": ...}) of `num_replicas` replicas, sorted by pid:
+    asked through the handle until each has answered or `timeout_s` is over (a handle
+    cannot pick a replica; Serve's router spreads the calls)."""
     from ray import serve
 
     handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app_name)
     seen: dict[int, dict] = {}
     deadline = time.monotonic() + timeout_s
-    while len(seen) < num_replicas and time.monotonic() < deadline:
-        info = handle.replica_info.remote().result(timeout_s=timeout_s)
-        seen[info["pid"]] = info
-    return sorted(seen.values(), key=lambda i: i["pid"])
+    while len(seen) < num_replicas and (time_left := deadline - time.monotonic()) > 0:
+        try:
+            answer = getattr(handle, method).remote(*args).result(timeout_s=time_left)
+        except TimeoutError:
+            break
+        if answer["pid"] in seen:
+            time.sleep(0.05)   # the router prefers the replica with the fewest requests
+        seen[answer["pid"]] = answer
+    return sorted(seen.values(), key=lambda answer: answer["pid"])
 
 
-def start(options: ServeOptions, host: str, port: int, app_name: str = APP_NAME) -> None:
-    """Deploy on the connected cluster; returns once every replica has loaded its engine."""
-    from ray import serve
+class Interrupted(BaseException):
+    """A signal came while the application was starting. A BaseException, as
+    KeyboardInterrupt is: Ray's deploy path catches Exception and swallowed it."""
 
-    serve.start(http_options={"host": host, "port": port}, logging_config={"log_level": "WARNING"})
-    serve.run(application(options), name=app_name, route_prefix="/", blocking=False)
+
+class StopSignals:
+    """SIGTERM / SIGINT of `xrec serve --ray`: each sets `stop`. Inside `interrupting()`
+    the first one also raises Interrupted in the main thread: Serve waits for the replicas
+    to run without a limit, and one the cluster cannot place never does."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self._is_interrupting = False
+        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in SIGNALS}
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.stop.set()
+        if self._is_interrupting:
+            self._is_interrupting = False
+            raise Interrupted(f"signal {signum}")
+
+    @contextlib.contextmanager
+    def interrupting(self) -> Iterator[None]:
+        self._is_interrupting = True
+        try:
+            if self.stop.is_set():   # it came before
+                raise Interrupted("a signal before the start")
+            yield
+        finally:
+            self._is_interrupting = False
+
+    def wait(self) -> None:
+        while not self.stop.wait(0.5):   # short waits: the handler runs between them
+            pass
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def serve_forever(options: ServeOptions, address: str | None, host: str, port: int) -> int:
     """`xrec serve --ray`: deploy, log the URL and the replicas, wait for SIGTERM / SIGINT,
-    then delete the application (and stop the local cluster this call started)."""
+    drain, then delete the application (and stop the local cluster this call started)."""
     import ray
-    from ray import serve
 
     from xrec.scale.batch_ray import connect
 
     if logger.getEffectiveLevel() > logging.INFO:
         logger.setLevel(logging.INFO)
-    stop = threading.Event()
     os.environ.setdefault(PROXY_CALLBACK_VARIABLE, PROXY_CALLBACK)   # a local cluster's proxy
     is_local = connect(address)
-    # after ray.init, which installs its own SIGTERM handler (it exits at once)
-    previous = {sig: signal.signal(sig, lambda *_: stop.set())
-                for sig in (signal.SIGTERM, signal.SIGINT)}
+    signals = StopSignals()   # after ray.init, which installs its own SIGTERM handler (it exits at once)
     try:
-        start(options, host, port)
-        display = f"[{host}]" if ":" in host else host
-        logger.info("xrec serve --ray: model %s, %d replica(s) x %g CPU / %g GPU; listening on "
-                    "http://%s:%d (Ray Serve); SIGTERM stops", options.model_dir,
-                    options.num_replicas, options.replica_cpus, options.replica_gpus, display, port)
-        for info in replica_infos(options.num_replicas):
-            logger.info("replica %s: pid %d, metrics %s", info["replica_id"], info["pid"],
-                        info["metrics_url"])
-        while not stop.wait(0.5):
-            pass
-        logger.info("xrec serve --ray: stopping (grace period %.1f s)", options.grace_s)
-        serve.delete(APP_NAME)
-        if is_local:
-            serve.shutdown()
+        check_fits(options, ray.available_resources())
+        start_serve(host, port)   # nothing of ours is deployed when this refuses
+        is_drained = False
+        try:
+            is_drained = _serve_until_signal(options, host, port, signals)
+        finally:
+            _delete_app(is_drained, is_local)
     finally:
         if is_local:
             ray.shutdown()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        signals.restore()
     return 0
+
+
+def _delete_app(is_drained: bool, is_local: bool) -> None:
+    """After the drain: delete the application (and Serve, on the local cluster). After a
+    start that failed or was stopped, Serve would wait `grace_s` + 5 s for each replica it
+    never placed: the local cluster goes at once with ray.shutdown, and on another cluster
+    the deletion goes on without this process waiting."""
+    from ray import serve
+
+    if is_drained:
+        serve.delete(APP_NAME)
+        if is_local:
+            serve.shutdown()
+    elif not is_local:
+        serve.delete(APP_NAME, _blocking=False)
+
+
+def _serve_until_signal(options: ServeOptions, host: str, port: int, signals: StopSignals) -> bool:
+    """True once drained after a signal; False when a signal stopped the start."""
+    try:
+        with signals.interrupting():
+            deploy(options)
+            infos = replica_infos(options.num_replicas)
+    except Interrupted:
+        logger.info("xrec serve --ray: stopped while the replicas were starting")
+        return False
+    display = f"[{host}]" if ":" in host else host
+    logger.info("xrec serve --ray: model %s, %d replica(s) x %g CPU / %g GPU; listening on "
+                "http://%s:%d (Ray Serve); SIGTERM stops", options.model_dir,
+                options.num_replicas, options.replica_cpus, options.replica_gpus, display, port)
+    for info in infos:
+        logger.info("replica %s: pid %d, metrics %s", info["replica_id"], info["pid"],
+                    info["metrics_url"] or "through the proxy only (an API key is set)")
+    signals.wait()
+    logger.info("xrec serve --ray: draining (grace period %.1f s)", options.grace_s)
+    drain(options.grace_s)
+    return True
