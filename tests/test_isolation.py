@@ -10,6 +10,7 @@ import dataclasses
 
 import gc
 import hashlib
+import math
 import os
 import signal
 import subprocess
@@ -231,6 +232,21 @@ def test_close_twice_leaves_the_hosts_files_alone(model_dir, tmp_path):
         assert os.write(mine, b"still open") == 10
     finally:
         os.close(mine)
+
+
+def test_close_with_an_unbounded_grace_drains_the_child(model_dir):
+    """close(inf) overflowed the child's waits: it aborted (SIGABRT) and the queued requests
+    failed UNAVAILABLE instead of being answered. A bad grace is refused here first."""
+    engine = Engine.from_pretrained(model_dir, isolation="process", device="cpu")
+    with pytest.raises(InvalidArgument, match="grace_s"):
+        engine.close(None)
+    engine.hold_wakeups()
+    futures = engine.submit_many(_requests(6))
+    engine.release_wakeups()
+    pid = engine.pid
+    engine.close(math.inf)
+    assert all(f.result(timeout=WAIT_S).results for f in futures)
+    assert _wait_gone(pid)
 
 
 def _use_and_drop(model_dir) -> tuple[int, list]:

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from xrec.api_types import CatalogVersion, ValidRequest
+from xrec.config.engine import checked_grace_s
 from xrec.engine.frontend import EngineFrontend, EngineStats, arrival_time as _arrival
 from xrec.engine.requests import BatchReport
 from xrec.engine.transport import Arena, Region, dumps, loads
@@ -437,7 +438,9 @@ class ProcessEngine(EngineFrontend):
     def close(self, grace_s: float = 30.0) -> None:
         """Finish what is queued and running (up to `grace_s`), then stop the child.
         Idempotent (as `Engine.close`): a second call must not close the arena's file
-        descriptor again, whose number this process may have given to another file."""
+        descriptor again, whose number this process may have given to another file.
+        `grace_s` is checked first (`checked_grace_s`), as `Engine.close` does."""
+        grace_s = checked_grace_s(grace_s)
         if self._finalizer.detach() is not None:
             _shutdown(self._link, (self._receiver, self._timer), grace_s)
 
