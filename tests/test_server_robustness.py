@@ -297,3 +297,43 @@ def test_refusals_below_the_routes_and_wrong_methods_are_documented(documented):
         "application/json"]["schema"]
     jsonschema.validate(wrong.json(), {**schema, "components": document["components"]},
                         cls=jsonschema.Draft202012Validator)
+
+
+def test_a_handler_cancelled_while_serving_counts_as_the_clients_cancel(model_dir):
+    """Ray Serve's proxy cancels the handler's task when its client goes away; that was
+    counted (and answered) UNAVAILABLE "server is shutting down". Only a drain is."""
+    import asyncio
+
+    engine = Engine.from_pretrained(model_dir, isolation="thread", device="cpu")
+    engine.executor.fault = gate = Gate()   # the "slow" request's batch waits for the gate
+    app = create_app(engine)
+    body = json.dumps({**VALID, "request_id": "slow-1"}).encode()
+
+    async def cancelled_call() -> None:
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/rec/completions",
+                 "raw_path": b"/v1/rec/completions", "query_string": b"", "root_path": "",
+                 "headers": [(b"content-type", b"application/json"),
+                             (b"content-length", str(len(body)).encode())],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict:
+            return messages.pop(0) if messages else await asyncio.Event().wait()
+
+        async def send(message: dict) -> None:
+            pass
+
+        task = asyncio.create_task(app(scope, receive, send))
+        await asyncio.to_thread(gate.entered.wait, WAIT_S)   # its batch is running
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    try:
+        asyncio.run(cancelled_call())
+    finally:
+        gate.release.set()
+        engine.close(5)
+    text = app.state.xrec.metrics.render().decode()
+    assert 'xrec_requests_total{api="native",code="CANCELLED"} 1.0' in text, text
+    assert 'code="UNAVAILABLE"' not in text

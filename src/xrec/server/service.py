@@ -161,10 +161,14 @@ class XrecService:
             if e.code == "INTERNAL":
                 logger.error("request %s failed: %s", request_id or e.request_id, e.message)
             return error_response(e, request_id)
-        except asyncio.CancelledError:  # the server stops this handler (shutdown)
-            code = Unavailable.code
-            return error_response(Unavailable("server is shutting down; the request was not "
-                                              "finished"), request_id)
+        except asyncio.CancelledError:
+            # uvicorn cancels handlers only when it shuts down; Ray Serve's proxy also when the
+            # client goes away, which is the client's cancel, not an outage
+            error = Unavailable("server is shutting down; the request was not finished") \
+                if self.is_draining else Cancelled("the client went away; the request was "
+                                                   "cancelled")
+            code = error.code
+            return error_response(error, request_id)
         except Exception as e:  # a server bug: answer it, keep serving
             logger.exception("request %s failed", request_id)
             return error_response(Internal(f"{type(e).__name__}: {e}"), request_id)
