@@ -40,7 +40,7 @@ from xrec.api_types import RecRequest  # noqa: E402
 from xrec.demo import write_random_model  # noqa: E402
 from xrec.errors import InvalidArgument  # noqa: E402
 from xrec.server.app import create_app  # noqa: E402
-from xrec.server.schemas import check_prompt_bound  # noqa: E402
+from xrec.api_types import check_prompt_bound  # noqa: E402
 from xrec.tokenizer import PromptTokenizer  # noqa: E402
 
 ROUNDS, HIDDEN, VOCAB = 3, 32, 768        # the "qwen3-sid-test" size
@@ -283,36 +283,33 @@ def test_no_bound_where_a_token_may_cover_more_than_its_string(reference):
 
 
 def test_a_prompt_that_cannot_fit_is_refused_without_encoding(sid, monkeypatch):
+    """The bound is the engine's validation: the Python API tokenized a 2 MB prompt in full
+    (2 s, on the caller's event loop in `recommend_async`) before refusing it."""
     limits, tokenizer = sid.engine.limits, sid.engine.tokenizer
     encoded = []
-    for name in ("encode", "encode_chat"):
-        monkeypatch.setattr(tokenizer, name, lambda *a, **k: encoded.append(a))
+    monkeypatch.setattr(tokenizer, "encode", lambda *a, **k: encoded.append(a))
     longest = (MAX_INPUT_LEN - 1) * tokenizer.max_token_chars   # no more fits (1: the prefix)
     too_long = "7" * (longest + 1)
     with pytest.raises(InvalidArgument, match=rf"prompt: at least {MAX_INPUT_LEN + 1} positions "
                                               rf"\(with the generation prefix\), more than "
                                               rf"max_input_len={MAX_INPUT_LEN}"):
-        check_prompt_bound(RecRequest(prompt=too_long), limits, tokenizer)
+        sid.engine.validate(RecRequest(prompt=too_long))
     with pytest.raises(InvalidArgument, match=r"messages: at least \d+ positions"):
-        check_prompt_bound(RecRequest(messages=[{"role": "user", "content": too_long}]), limits,
-                           tokenizer)
+        sid.engine.validate(RecRequest(messages=[{"role": "user", "content": too_long}]))
     parts = [{"role": "user", "content": [{"type": "text", "text": too_long}]}]
     with pytest.raises(InvalidArgument, match="messages: at least"):
-        check_prompt_bound(RecRequest(messages=parts), limits, tokenizer)
+        sid.engine.validate(RecRequest(messages=parts))
     # many empty messages: no content, but the template's text around each (before, only
     # the contents were counted, and 30,000 such messages were tokenized on the event loop)
     empty = [{"role": "user", "content": ""}] * longest
     with pytest.raises(InvalidArgument, match="messages: at least"):
-        check_prompt_bound(RecRequest(messages=empty), limits, tokenizer)
-    # what may fit, or is no text, is left to the engine's exact count
-    for request in (RecRequest(prompt="7" * longest), RecRequest(prompt=PROMPT),
-                    RecRequest(messages=MESSAGES), RecRequest(token_ids=[1] * 10_000),
-                    RecRequest(prompt=too_long, token_ids=[1])):
-        check_prompt_bound(request, limits, tokenizer)
-    check_prompt_bound(RecRequest(prompt=too_long), limits, None)
+        sid.engine.validate(RecRequest(messages=empty))
     assert encoded == []
     error = assert_error(sid.client.post(XLLM, json={"prompt": too_long}), 400)
     assert error["message"].startswith("prompt: at least") and encoded == []
+    # what may fit is left to the engine's exact count
+    for text in ("7" * longest, PROMPT, tokenizer.render_chat(MESSAGES)):
+        check_prompt_bound("prompt", text, limits, tokenizer)
 
 
 # ---- /v1/completions -------------------------------------------------------------------------

@@ -278,12 +278,14 @@ class PromptTokenizer:
             text = normalizer.normalize_str(text)
         return -(-len(text) // self.max_token_chars)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True,
+               field: str = "prompt") -> list[int]:
         """Token ids of `prompt` text, the tokenizer's post-processor applied (unless
-        `add_special_tokens` is false: a generation prefix continues a prompt)."""
+        `add_special_tokens` is false: a generation prefix continues a prompt, a rendered
+        chat has its special tokens); errors name `field`."""
         if not isinstance(text, str):
-            raise InvalidArgument(f"prompt: got {type(text).__name__}, expected a string")
-        _check_encodable("prompt", text)
+            raise InvalidArgument(f"{field}: got {type(text).__name__}, expected a string")
+        _check_encodable(field, text)
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def render_chat(self, messages: Any) -> str:
@@ -300,9 +302,7 @@ class PromptTokenizer:
 
     def encode_chat(self, messages: Any) -> list[int]:
         """Token ids of the rendered chat; no special tokens added (the template has them)."""
-        text = self.render_chat(messages)
-        _check_encodable("messages", text)
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        return self.encode(self.render_chat(messages), add_special_tokens=False, field="messages")
 
 
 def _check_encodable(field: str, text: str) -> None:

@@ -29,8 +29,8 @@ Decisions where docs/serving.md leaves a choice (the routes' own are in `app.py`
 - `stream: true` (xllm and chat routes): the engine's answer is awaited as for any request,
   so every error keeps its JSON status, then written as server-sent events (stream.py).
 - A `prompt` / `messages` that cannot fit `max_input_len` is refused before it is
-  tokenized (`schemas.check_prompt_bound`): BPE on a prompt near 1 MiB takes most of a
-  second, and under THREAD_PARSE_BYTES it would run on the event loop.
+  tokenized (the engine's validation, `api_types.check_prompt_bound`): BPE on a prompt near
+  1 MiB takes most of a second, and under THREAD_PARSE_BYTES it would run on the event loop.
 """
 
 from __future__ import annotations
@@ -258,7 +258,6 @@ class XrecService:
         try:
             self._check_model(parsed.model)
             request = convert(parsed, request_id)
-            schemas.check_prompt_bound(request, engine.limits, engine.tokenizer)  # before BPE
             valid = engine.validate(request)
             future = engine.submit_valid(valid, as_data=True, arrived_at=arrived)
         except XrecError as e:
