@@ -19,7 +19,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import pytest
 
 httpx = pytest.importorskip("httpx")
@@ -27,29 +26,16 @@ jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("uvicorn")
 
 from test_server import WAIT_S, Gate, ServerThread, metric, wait_until  # noqa: E402
+from test_server_admin import catalog_of, model_dir  # noqa: E402, F401 (a fixture)
 from test_server_hostile import limited_app_server  # noqa: E402
 
 from xrec import Engine  # noqa: E402
-from xrec.catalog import ItemCatalog, random_catalog  # noqa: E402
-from xrec.demo import write_random_model  # noqa: E402
 from xrec.server.app import create_app  # noqa: E402
 
-VOCAB = 64
 VALID = {"token_ids": [1, 2, 3], "beam_width": 4}
 # A hang of the old code shows as a client timeout this long; the fixed server answers in
 # at most the engine's read timeout (isolated.READ_TIMEOUT_S, 2 s).
 ANSWER_S = 20.0
-
-
-def catalog_of(seed: int, num_items: int = 300) -> ItemCatalog:
-    triples = random_catalog(num_items, VOCAB, seed=seed).triples
-    return ItemCatalog.from_arrays(seed * 10**6 + np.arange(1, num_items + 1), triples, VOCAB)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_random_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", seed=0,
-                              num_items=500)
 
 
 @pytest.fixture
