@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
@@ -421,4 +422,42 @@ def test_reads_of_a_stopped_child_are_bounded(model_dir):
     finally:
         os.kill(engine.pid, signal.SIGCONT)
         pool.shutdown(wait=False)
+        engine.close()
+
+
+def test_submissions_to_a_stopped_child_give_up_instead_of_blocking(model_dir, monkeypatch):
+    """A stopped child (SIGSTOP) reads nothing: once its socket was full, `submit` blocked,
+    and with it the caller (the server's event loop) for as long as the child stayed
+    stopped. A submission now gives up after SEND_WAIT_S with `Unavailable`; what was sent
+    is answered once the child runs again."""
+    import xrec.engine.isolated as isolated
+
+    monkeypatch.setattr(isolated, "SEND_WAIT_S", 0.5)
+    engine = Engine.from_pretrained(model_dir, isolation="process", device="cpu")
+    sent: list = []
+    refused: list = []
+
+    def flood() -> None:
+        for _ in range(100_000):
+            try:
+                sent.extend(engine.submit_many(_requests(1)))
+            except Unavailable as exc:
+                refused.append(exc)
+                return
+
+    try:
+        os.kill(engine.pid, signal.SIGSTOP)
+        flooder = threading.Thread(target=flood, daemon=True)
+        flooder.start()
+        flooder.join(60)   # the old code blocks here for good
+        assert not flooder.is_alive() and refused, "submit blocked on the stopped child"
+        assert "read none of its messages" in str(refused[0]) and sent
+        engine.hold_wakeups()    # control messages still go through (a lost release would
+        engine.release_wakeups()  # hold the child for good)
+        os.kill(engine.pid, signal.SIGCONT)
+        done, not_done = wait(sent, timeout=WAIT_S)
+        assert not not_done
+        assert engine.recommend(_requests(1))[0].results
+    finally:
+        os.kill(engine.pid, signal.SIGCONT)
         engine.close()

@@ -41,6 +41,7 @@ import heapq
 import itertools
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -75,6 +76,10 @@ MAX_TIMER_WAIT_S = 1.0     # the deadline timer looks at the clock at least this
 # a millisecond, a stopped one never, and /metrics must still answer within a scrape's timeout
 # (Prometheus: 10 s by default)
 READ_TIMEOUT_S = 2.0
+# A message waits this long for room in the child's socket. The child reads it all the time, so
+# a socket that stays full means a stopped child; a send that blocked then blocked the caller,
+# the server's event loop included, for as long as the child stayed stopped.
+SEND_WAIT_S = 5.0
 
 
 @dataclass
@@ -143,10 +148,19 @@ class _Link:
                     f"no answer from the engine process within the request's {timeout_ms:g} ms "
                     "from its submission", request_id), True)
 
-    def send(self, message: Any) -> list[Region]:
+    def send(self, message: Any, wait_s: float | None = None) -> list[Region]:
+        """`message` to the child; `Unavailable` when the child is gone, or (`wait_s`) when
+        its socket stays full for `wait_s` (a stopped child): then the message is not sent.
+        Only submissions give up so (`SEND_WAIT_S`): a control message must never be lost
+        (a lost "release" would hold the child for good), and a tiny one still fits, since
+        a socket stops polling writable while three quarters of it are free."""
         data, regions = dumps(message, self.arena)
         try:
             with self.send_lock:
+                if wait_s is not None and not _writable(self.conn, wait_s):
+                    self.arena.free(regions)
+                    raise Unavailable(f"the engine process has read none of its messages for "
+                                      f"{wait_s:g} s (stopped, or swapped out)")
                 self.conn.send_bytes(data)
         except (OSError, ValueError):
             self.arena.free(regions)
@@ -322,7 +336,7 @@ class ProcessEngine(EngineFrontend):
             for (seq, _), future in zip(items, futures):
                 link.pending[seq] = (future, shared, as_data)
         try:
-            regions = link.send(("submit", items, arrival))
+            regions = link.send(("submit", items, arrival), SEND_WAIT_S)
         except BaseException:
             with link.lock:
                 for seq, _ in items:
@@ -443,6 +457,16 @@ class ProcessEngine(EngineFrontend):
         grace_s = checked_grace_s(grace_s)
         if self._finalizer.detach() is not None:
             _shutdown(self._link, (self._receiver, self._timer), grace_s)
+
+
+def _writable(conn: Connection, timeout_s: float) -> bool:
+    """Whether `conn` takes a message within `timeout_s`. A Unix socket polls writable only
+    while at most a quarter of its send buffer is queued, so a message then fits without
+    blocking (the arena carries the large buffers)."""
+    try:
+        return bool(select.select([], [conn.fileno()], [], timeout_s)[1])
+    except (OSError, ValueError):   # closed: send_bytes names the reason
+        return True
 
 
 def _cancel_in_child(link: _Link, seq: int, future: Future) -> None:
