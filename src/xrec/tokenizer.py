@@ -285,8 +285,11 @@ class PromptTokenizer:
         chat has its special tokens); errors name `field`."""
         if not isinstance(text, str):
             raise InvalidArgument(f"{field}: got {type(text).__name__}, expected a string")
-        _check_encodable(field, text)
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:   # "TextInputSequence must be str": a lone surrogate, named here
+            _check_encodable(field, text)
+            raise
 
     def render_chat(self, messages: Any) -> str:
         """The chat template's text for `messages`, ending with the assistant's turn."""
@@ -306,8 +309,8 @@ class PromptTokenizer:
 
 
 def _check_encodable(field: str, text: str) -> None:
-    """A lone UTF-16 surrogate ("\\ud800", which JSON cannot carry but Python strings can)
-    makes the tokenizer raise a TypeError; here it is the caller's error, named."""
+    """InvalidArgument naming a lone UTF-16 surrogate ("\\ud800", which JSON cannot carry
+    but Python strings can) in `text`: the tokenizer refuses it with a bare TypeError."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:

@@ -125,7 +125,7 @@ class EngineOptions:
                                    help="decoder-only models: appended to every prompt, as text "
                                    "(e.g. '<|sid_begin|>') or a JSON list of token ids")
             elif f.type in ("bool | None", "bool"):
-                group.add_argument(flag, type=_parse_bool, default=None, metavar="true|false")
+                group.add_argument(flag, type=parse_bool, default=None, metavar="true|false")
             elif "int" in str(f.type):
                 group.add_argument(flag, type=int, default=None)
             elif "float" in str(f.type):
@@ -179,6 +179,14 @@ def checked_grace_s(grace_s: Any) -> float:
     return min(float(grace_s), MAX_GRACE_S)
 
 
+def check_grace_flag(grace_s: Any) -> None:
+    """`--grace-s` of `xrec serve` (with or without --ray): seconds in [0, MAX_GRACE_S],
+    checked before anything starts. NaN and inf are refused here, where `checked_grace_s`
+    reads inf as a day: a flag's inf is more likely a slip than a wish."""
+    if not (_is_number(grace_s) and 0 <= grace_s <= MAX_GRACE_S):
+        raise ValueError(f"--grace-s: got {grace_s}, expected seconds in [0, {MAX_GRACE_S:g}]")
+
+
 def _check_range(name: str, value: Any, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"option {name}: got {value!r}, allowed: an integer in [{low}, {high}]")
@@ -197,7 +205,7 @@ def parse_generation_prefix(text: str) -> str | tuple[int, ...]:
     return tuple(ids)
 
 
-def _parse_bool(text: str) -> bool:
+def parse_bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
         return True
     if text.lower() in ("0", "false", "no", "off"):

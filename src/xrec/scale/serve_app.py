@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from xrec.config import EngineOptions, read_model_config
-from xrec.config.engine import MAX_GRACE_S, _parse_bool, parse_generation_prefix
+from xrec.config.engine import check_grace_flag, parse_bool, parse_generation_prefix
 
 logger = logging.getLogger("xrec.server")
 
@@ -97,17 +97,13 @@ class ServeOptions:
             raise ValueError(f"--replica-cpus: got {self.replica_cpus}, expected > 0")
         if not 0 <= self.replica_gpus <= 64:
             raise ValueError(f"--replica-gpus: got {self.replica_gpus}, expected >= 0")
-        # also NaN; inf overflowed the drain's waits (`xrec serve` refuses the same)
-        if not (isinstance(self.grace_s, (int, float)) and 0 <= self.grace_s <= MAX_GRACE_S):
-            raise ValueError(f"--grace-s: got {self.grace_s}, expected seconds in "
-                             f"[0, {MAX_GRACE_S:g}]")
-        if self.max_body_bytes is not None and (isinstance(self.max_body_bytes, bool) or not
-                                                isinstance(self.max_body_bytes, int)
-                                                or self.max_body_bytes < 1):
-            raise ValueError(f"--max-body-bytes: got {self.max_body_bytes!r}, expected an "
-                             "integer >= 1")
+        check_grace_flag(self.grace_s)   # as `xrec serve` checks it
+        from xrec.server.service import checked_api_key, checked_max_body_bytes
+        try:
+            checked_max_body_bytes(self.max_body_bytes)
+        except ValueError as e:
+            raise ValueError(f"--max-body-bytes{str(e)[len('max_body_bytes'):]}") from None
         if self.api_key is not None:
-            from xrec.server.service import checked_api_key
             try:
                 checked_api_key(self.api_key)
             except ValueError as e:
@@ -240,7 +236,7 @@ def application(options: ServeOptions) -> Any:
 BUILD_APP_RENAMES = {"model": "model_dir", "replicas": "num_replicas"}
 # how `serve run`'s text becomes an option's value: `xrec serve`'s flag parsers, and what
 # each expects
-PARSERS = {"bool": (_parse_bool, "true or false"), "int": (int, "an integer"),
+PARSERS = {"bool": (parse_bool, "true or false"), "int": (int, "an integer"),
            "float": (float, "a number"),
            "prefix": (parse_generation_prefix, "text or a JSON list of token ids")}
 

@@ -42,6 +42,7 @@ ERROR_STATUSES = {"400": "malformed JSON or a value out of range", "401": "missi
 # what any request may be answered below the routes (limits.py); the connection closes
 CONNECTION_STATUSES = {"408": "the request's head or body was not received in time",
                        "431": "request line and headers over the limit"}
+AUTH = {"401": ERROR_STATUSES["401"]}   # the error every route but /health may answer
 METHOD_NOT_ALLOWED = ("a method this path does not list (INVALID_ARGUMENT); `Allow` names "
                       "those it does")
 
@@ -322,39 +323,37 @@ def _completions() -> dict:
 def _catalog_admin() -> dict:
     """The catalog routes (admin.py): each answers both versions after its change."""
     versions = _json("the current and the previous catalog version", CatalogVersions)
-    auth = {"401": ERROR_STATUSES["401"]}
     busy = {"503": "loading or draining, or a process-isolated engine's child does not answer"}
     load = {"required": True, "content": {"application/json": {
         "schema": _ref(CatalogLoadRequest),
         "examples": {"load": {"value": {"path": "items-2026-12-01.bin"}}}}}}
     load_errors = {"400": "malformed JSON, a path outside the catalog directory, not a "
                           "regular file, over the size limit, or a catalog that fails its "
-                          "checks", **auth,
+                          "checks", **AUTH,
                    "404": "loads are off: the server has no catalog directory (--catalog-dir)",
                    "413": "body over the size limit", "422": ERROR_STATUSES["422"],
                    "503": busy["503"] + ", or a batch still runs on the previous catalog"}
     return {
         "/v1/admin/catalog": {
             "get": {"summary": "The catalog versions",
-                    "responses": {"200": versions, **_errors({**auth, **busy})}},
+                    "responses": {"200": versions, **_errors({**AUTH, **busy})}},
             "post": {"summary": "Load a catalog file from the catalog directory",
                      "requestBody": load, "responses": {"200": versions, **_errors(load_errors)}}},
         "/v1/admin/catalog/restore": {"post": {
             "summary": "Make the previous catalog current again",
-            "responses": {"200": versions, **_errors({**auth, "404": "no previous version to "
+            "responses": {"200": versions, **_errors({**AUTH, "404": "no previous version to "
                                                                      "restore", **busy})}}}}
 
 
 def _other_routes() -> dict:
-    auth = {"401": ERROR_STATUSES["401"]}
     return {
         "/v1/models": {"get": {"summary": "The served model", "responses": {
             "200": _json("the served model, in OpenAI's list shape", ModelList),
-            **_errors(auth)}}},
+            **_errors(AUTH)}}},
         "/v1/models/{name}": {"get": {
             "summary": "One model",
             "responses": {"200": _json("the model", ModelCard),
-                          **_errors({**auth, "404": "not the served model"})},
+                          **_errors({**AUTH, "404": "not the served model"})},
             "parameters": [{"name": "name", "in": "path", "required": True,
                             "schema": {"type": "string"}}]}},
         "/health": {"get": {
@@ -364,9 +363,9 @@ def _other_routes() -> dict:
                 **_errors({"503": "loading, draining, or the engine takes no new work"})}}},
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
             "200": {"description": "Prometheus text", "content": {"text/plain": {}}},
-            **_errors(auth)}}},
+            **_errors(AUTH)}}},
         "/openapi.json": {"get": {"summary": "This document", "responses": {
-            "200": _json("OpenAPI 3.1"), **_errors(auth)}}},
+            "200": _json("OpenAPI 3.1"), **_errors(AUTH)}}},
     }
 
 

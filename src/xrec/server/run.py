@@ -39,7 +39,7 @@ from typing import Any
 
 import uvicorn
 
-from xrec.config.engine import MAX_GRACE_S
+from xrec.config.engine import check_grace_flag
 from xrec.engine.frontend import EngineFrontend
 from xrec.server.app import create_app
 from xrec.server.service import XrecService
@@ -138,8 +138,7 @@ def serve(args: argparse.Namespace, model_dir: str, engine_options: dict[str, An
             raise ValueError(f"--{flag.replace('_', '-')}:{problem}") from None
         raise
     service: XrecService = app.state.xrec
-    if not 0 <= args.grace_s <= MAX_GRACE_S:   # also NaN; inf overflowed the drain's waits
-        raise ValueError(f"--grace-s: got {args.grace_s}, expected seconds in [0, {MAX_GRACE_S:g}]")
+    check_grace_flag(args.grace_s)
     limits = connection_limits(args)
     _reserve_file_descriptors(limits.max_connections)
     sock = listen(args.host, args.port)

@@ -78,9 +78,7 @@ class XrecService:
     def __init__(self, engine: EngineFrontend | None, served_model_name: str | None, api_key: str | None,
                  max_body_bytes: int | None):
         """`max_body_bytes`: None derives it from the engine (schemas.max_body_bytes)."""
-        if max_body_bytes is not None and (not isinstance(max_body_bytes, int)
-                                           or max_body_bytes < 1):
-            raise ValueError(f"max_body_bytes: got {max_body_bytes!r}, expected an integer >= 1")
+        checked_max_body_bytes(max_body_bytes)
         if engine is None and not served_model_name:
             raise ValueError("served_model_name is required when the engine is not loaded yet")
         self.engine: EngineFrontend | None = None
@@ -314,6 +312,14 @@ def error_response(error: XrecError, request_id: str | None = None) -> Response:
         headers["WWW-Authenticate"] = "Bearer"
     return Response(json.dumps(body).encode(), status_code=error.http_status,
                     media_type="application/json", headers=headers)
+
+
+def checked_max_body_bytes(max_body_bytes: int | None) -> None:
+    """A body limit in bytes: an integer >= 1, or None (derived from the engine)."""
+    if max_body_bytes is not None and (isinstance(max_body_bytes, bool)
+                                       or not isinstance(max_body_bytes, int)
+                                       or max_body_bytes < 1):
+        raise ValueError(f"max_body_bytes: got {max_body_bytes!r}, expected an integer >= 1")
 
 
 def checked_api_key(api_key: str | None) -> bytes | None:
