@@ -94,15 +94,22 @@ class Gate:
             self.release.wait(WAIT_S)
 
 
-def metric(url: str, name: str, **labels) -> float:
-    """One sample of /metrics (0 when absent)."""
+def scrape(url: str) -> list:
+    """The samples of one /metrics scrape."""
     headers = {"Authorization": f"Bearer {API_KEY}"}
     text = httpx.get(f"{url}/metrics", headers=headers, timeout=WAIT_S).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return 0.0
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def sample_value(samples: list, name: str, **labels) -> float:
+    """The first of `samples` named `name` with `labels` (0 when absent)."""
+    return next((s.value for s in samples
+                 if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())), 0.0)
+
+
+def metric(url: str, name: str, **labels) -> float:
+    """One sample of /metrics (0 when absent)."""
+    return sample_value(scrape(url), name, **labels)
 
 
 def raw_post(port: int, head: str, body: bytes = b"") -> socket.socket:
@@ -638,21 +645,28 @@ def test_sigterm_drains_subprocess(model_dir, tmp_path):
     auth = {"Authorization": f"Bearer {API_KEY}"}
     try:
         assert httpx.post(url + NATIVE, json=VALID).status_code == 401      # key from env
-        length = 1024  # 0.1-0.4 s a request on 2 cores: the drain has work to finish
+        length = 1024  # 0.1-0.4 s a request on 2 cores, one at a time: the drain has work
         heavy = {"token_ids": [i % VOCAB for i in range(length)], "beam_width": 512}
+        num_requests = 8
         results: list = []
         threads = [post_in_thread(url + NATIVE, {**heavy, "request_id": f"heavy-{i}"}, results,
-                                  headers=auth) for i in range(4)]
-        assert wait_until(lambda: metric(url, "xrec_input_tokens_total") >= 4 * length,
-                          interval=0.02), "the requests were not all accepted"
-        num_waiting = metric(url, "xrec_requests_waiting")
+                                  headers=auth) for i in range(num_requests)]
+        last: list = []
+
+        def all_accepted() -> bool:
+            last[:] = scrape(url)
+            return sample_value(last, "xrec_input_tokens_total") >= num_requests * length
+        assert wait_until(all_accepted, interval=0.02), "the requests were not all accepted"
+        # from the same scrape as the acceptance, so no request can finish in between
+        in_flight = (sample_value(last, "xrec_requests_waiting")
+                     + sample_value(last, "xrec_batches_running"))
         proc.send_signal(signal.SIGTERM)
         for thread in threads:
             thread.join(WAIT_S * 2)
-        assert [getattr(r, "status_code", repr(r)) for r in results] == [200] * 4, \
+        assert [getattr(r, "status_code", repr(r)) for r in results] == [200] * num_requests, \
             log_path.read_text()
         assert proc.wait(timeout=WAIT_S * 2) == 0, log_path.read_text()
-        assert num_waiting >= 1, "nothing was queued at SIGTERM: the drain was not exercised"
+        assert in_flight >= 1, "nothing was in flight at SIGTERM: the drain was not exercised"
         text = log_path.read_text()
         assert "listening on http://127.0.0.1" in text and "workspace" in text
     finally:
