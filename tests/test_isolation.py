@@ -404,14 +404,16 @@ def test_stats_after_close_or_the_childs_death_say_not_serving(model_dir):
 
 
 def test_reads_of_a_stopped_child_are_bounded(model_dir):
-    """`stats()` and the catalog versions waited on a stopped child (SIGSTOP) for ever; they
-    raise `Unavailable` after READ_TIMEOUT_S (2 s) now, and the child's late answers, once
-    it runs again, are dropped without harm."""
+    """`stats()` and the catalog versions (both properties as well) waited on a stopped child
+    (SIGSTOP) for ever; they raise `Unavailable` after READ_TIMEOUT_S (2 s) now, and the
+    child's late answers, once it runs again, are dropped without harm."""
     engine = Engine.from_pretrained(model_dir, isolation="process", device="cpu")
     pool = ThreadPoolExecutor(max_workers=2)
     try:
         os.kill(engine.pid, signal.SIGSTOP)
-        reads = [pool.submit(engine.stats), pool.submit(lambda: engine.catalog_versions())]
+        reads = [pool.submit(engine.stats), pool.submit(lambda: engine.catalog_versions()),
+                 pool.submit(lambda: engine.catalog_version),
+                 pool.submit(lambda: engine.previous_catalog_version)]
         for read in reads:   # a hang shows as a timeout here
             assert isinstance(read.exception(timeout=20), Unavailable)
         assert engine.is_serving      # stopped is not gone

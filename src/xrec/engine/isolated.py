@@ -424,11 +424,13 @@ class ProcessEngine(EngineFrontend):
 
     @property
     def catalog_version(self) -> CatalogVersion | None:
-        return self.get("catalog_version")
+        """Bounded as `catalog_versions()` is."""
+        return self.catalog_versions()[0]
 
     @property
     def previous_catalog_version(self) -> CatalogVersion | None:
-        return self.get("previous_catalog_version")
+        """Bounded as `catalog_versions()` is."""
+        return self.catalog_versions()[1]
 
     def catalog_versions(self) -> tuple[CatalogVersion | None, CatalogVersion | None]:
         """Both versions in one round trip (at most READ_TIMEOUT_S)."""
