@@ -105,6 +105,18 @@ def test_select_top_orders_negative_scores_and_treats_minus_zero_as_zero():
     assert select_top(torch.tensor([[-1e-30, 0.0, 1e-30]]), 3)[1].tolist() == [[2, 1, 0]]
 
 
+def test_select_top_ranks_nan_as_minus_inf_whatever_its_sign():
+    """A NaN score (an overflowed model: inf - inf) is no result: +NaN (CUDA's and ARM's)
+    outranked every real score, -NaN (x86's) ranked below -inf; both now count as -inf."""
+    nan = torch.tensor(math.nan)
+    for name, value in (("+nan", nan.abs()), ("-nan", -nan.abs())):
+        scores = torch.tensor([[-1.0, 0.0, -2.0, -INF, 0.0]])
+        scores[0, 1] = scores[0, 4] = value
+        values, indices = select_top(scores, 5)
+        assert indices.tolist() == [[0, 2, 1, 3, 4]], name   # NaNs tie with -inf, by index
+        assert values.tolist() == [[-1.0, -2.0, -INF, -INF, -INF]], name
+
+
 def test_select_top_works_per_row():
     scores = torch.tensor([[0.0, 1.0, 2.0], [2.0, 1.0, 0.0]])
     values, indices = select_top(scores, 2)

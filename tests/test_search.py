@@ -575,6 +575,37 @@ def test_tie_rule_constrained(flat_dir):
             assert [t for t, _, _ in got[1]] == [(0, 0, c) for c in range(5)]
 
 
+def test_nan_log_probabilities_are_never_results(dense_dir):
+    """A last-level token whose logit is NaN (its LM-head row written NaN after the load
+    check, as an overflow leaves it): the beams that have it as a child lose every child
+    (their "allowed" normaliser is NaN) and drop out as if -inf, whatever the NaN's sign;
+    the other candidates are those of the clean search. Before, the NaN-scored results
+    came first and as many real ones were lost."""
+    rng = np.random.default_rng(4)
+    triples = rng.integers(0, 20, size=(150, 3)) + np.array([0, 20, 40])   # levels apart
+    request = RecRequest(token_ids=[3, 1, 4], beam_width=6)
+    with Engine.from_pretrained(dense_dir, isolation="thread", catalog=make_catalog(triples),
+                                device="cpu", dtype="float32") as engine:
+        clean = [(t, s) for t, s, _ in response_results(recommend(engine, [request])[0])]
+        poisoned = clean[1][0][2]                     # the second result's last token
+        dead = {tuple(t[:2]) for t in triples.tolist() if t[2] == poisoned}
+        kept = [(t, s) for t, s in clean if t[:2] not in dead]
+        assert len(clean) == 6 and 0 < len(kept) < 6
+        weight, _ = engine.model.head_weight()
+        saved = weight[poisoned].clone()
+        for value in (torch.tensor(math.nan).abs(), -torch.tensor(math.nan).abs()):
+            with torch.no_grad():
+                weight[poisoned] = value
+            try:
+                got = [(t, s) for t, s, _ in response_results(recommend(engine, [request])[0])]
+            finally:
+                with torch.no_grad():
+                    weight[poisoned] = saved
+            assert all(math.isfinite(s) for _, s in got), got
+            assert got[:len(kept)] == kept
+            assert not {t[:2] for t, _ in got} & dead
+
+
 def test_select_top_tie_rule():
     """The best k per row, best first; equal scores by lower flat index, also at the cut."""
     from xrec.search.beam import select_top

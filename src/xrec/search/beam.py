@@ -6,6 +6,7 @@ candidates. Scores and log-probabilities are float32.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -59,14 +60,19 @@ def select_top(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     """Best `k` of `scores [B, M]` per row, best first: values and flat indices `[B, k]`.
 
     Ties are ordered by the lower flat index. Rows with fewer than k candidates are
-    padded with -inf (index 0).
+    padded with -inf (index 0). A NaN score (a model whose arithmetic overflowed) counts
+    as -inf: it never outranks a real score and is returned as -inf, not a result.
     """
     num_rows, num_cands = scores.shape
     take = min(k, num_cands)
+    # + 0.0: -0.0 -> 0.0 (in a copy). NaN -> -inf: its order would follow its sign bit, which
+    # the device picks (inf - inf is -NaN on x86, +NaN on CUDA and ARM), and +NaN outranked
+    # every real score
+    scores = (scores.float() + 0.0).nan_to_num_(nan=NEG_INF, posinf=math.inf, neginf=NEG_INF)
     # topk leaves the order of equal values to the kernel, so it runs on unique int64 keys:
     # high 32 bits = the float32 score's bits made order-preserving, low 32 bits = the
     # reversed index. Best key first = best score first, equal scores by lower index.
-    bits = (scores.float() + 0.0).view(torch.int32)                    # + 0.0: -0.0 -> 0.0
+    bits = scores.view(torch.int32)
     bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)                          # [B, M] ordered like scores
     reversed_index = torch.arange(num_cands - 1, -1, -1, device=scores.device)
     keys = bits.to(torch.int64) * (1 << 32) + reversed_index           # [B, M] unique per row
