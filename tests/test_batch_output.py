@@ -208,6 +208,30 @@ def test_jsonl_ids_that_do_not_fit_an_int64_column_are_error_records(tmp_path, m
         [r for r in read_output(tmp_path / "jsonl") if type(r["id"]) is int and r["id"] < 2 ** 63]
 
 
+def test_ids_past_64_bits_and_non_finite_ids_are_error_records(tmp_path, model_dir, engine):
+    """orjson reads a JSON integer past 64 bits as the nearest float: two such ids were both
+    answered under one float id that neither row had. A Parquet NaN or infinite id was
+    answered with id null in JSONL output. Each is now that row's error record."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    big = 12345678901234567890123
+    (tmp_path / "in.jsonl").write_text(
+        f'{{"id": {big}, "token_ids": [1]}}\n{{"id": {big + 1}, "token_ids": [2]}}\n'
+        f'{{"id": {2 ** 64 - 1}, "token_ids": [3]}}\n{{"id": 1e20, "token_ids": [4]}}\n')
+    run_batch(job(tmp_path, model_dir, tmp_path / "in.jsonl"), engine)
+    got = read_output(tmp_path / "out")
+    assert [r["id"] for r in got] == [None, None, 2 ** 64 - 1, 1e20]
+    assert [r["error"] for r in got] == [
+        f"INVALID_ARGUMENT: id {i} is an integer out of the range ids are read in "
+        "[-2**63, 2**64 - 1]; give it as a JSON string" for i in (big, big + 1)] + [None, None]
+    pq.write_table(pa.table({"id": [1.0, float("nan"), -float("inf")], "token_ids": [[1], [2], [3]]}),
+                   tmp_path / "in.parquet")
+    run_batch(job(tmp_path, model_dir, tmp_path / "in.parquet", out="nan", output_format="jsonl"),
+              engine)
+    assert [(r["id"], r["error"]) for r in read_output(tmp_path / "nan")] == [
+        (1.0, None), (None, "INVALID_ARGUMENT: id nan is not a finite number"),
+        (None, "INVALID_ARGUMENT: id -inf is not a finite number")]
+
+
 @pytest.mark.parametrize("kind", ["binary", "decimal128(20, 0)", "timestamp[ns]"])
 def test_parquet_ids_jsonl_cannot_hold_are_refused_before_the_model_loads(tmp_path, model_dir,
                                                                          monkeypatch, kind):

@@ -16,7 +16,7 @@ Output: one record per input row, in input order:
 
 A row that fails (a malformed JSON line or one that is not UTF-8, no input, a request
 the engine refuses: a boolean among its ids, a bad `exclude_items`, an id that does not fit
-the output's int64 id column) gets an error record and the run goes on; a file-level
+the output's int64 id column, a JSON integer id past 64 bits, a NaN or infinite id) gets an error record and the run goes on; a file-level
 problem (no id column, no input column, an unreadable file, a Parquet `exclude_items`
 column that is not a list of integers, a Parquet id column that JSONL output cannot hold)
 stops the run before anything is written.
@@ -29,6 +29,8 @@ lines dropped), so both paths number the same rows; but a line that is not UTF-8
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -223,17 +225,21 @@ def decode_row(raw: Any, settings: RowSettings) -> tuple[Any, RecRequest]:
     """(row id, request) of a raw row; RowError for a row that cannot be one. Messages do
     not name the row's position: a Ray Data batch does not know it, and both paths must
     write the same records."""
+    line = None
     if isinstance(raw, (str, bytes)):
+        line = raw
         try:
-            raw = orjson.loads(raw)
+            raw = orjson.loads(line)
         except orjson.JSONDecodeError as e:
-            raise RowError(None, "INVALID_ARGUMENT", _not_json(raw, e)) from None
+            raise RowError(None, "INVALID_ARGUMENT", _not_json(line, e)) from None
         if not isinstance(raw, dict):
             raise RowError(None, "INVALID_ARGUMENT",
                            f"row is not a JSON object but {type(raw).__name__}")
     row_id = raw.get(settings.id_column)
     if row_id is None:
         raise RowError(None, "INVALID_ARGUMENT", f"row has no {settings.id_column!r}")
+    if type(row_id) is float:
+        _check_float_id(row_id, line, settings.id_column)
     given = [name for name in INPUT_FIELDS if raw.get(name) is not None]
     if len(given) != 1:
         raise RowError(row_id, "INVALID_ARGUMENT",
@@ -244,6 +250,20 @@ def decode_row(raw: Any, settings: RowSettings) -> tuple[Any, RecRequest]:
                          num_return_sequences=settings.num_results, normalize=settings.normalize,
                          return_items=settings.return_items, **filters)
     return row_id, request
+
+
+def _check_float_id(row_id: float, line: str | bytes | None, id_column: str) -> None:
+    """RowError for a float id that names no row: NaN or infinite (JSON output writes it as
+    null), or a JSON integer past 64 bits, which orjson reads as the nearest float (two
+    such ids would come out as one id that neither row had)."""
+    if not math.isfinite(row_id):
+        raise RowError(None, "INVALID_ARGUMENT", f"id {row_id!r} is not a finite number")
+    exact = json.loads(line).get(id_column) if line is not None else None
+    if type(exact) is int:
+        shown = str(exact) if len(str(exact)) <= 40 else str(exact)[:37] + "..."
+        raise RowError(None, "INVALID_ARGUMENT",
+                       f"id {shown} is an integer out of the range ids are read in "
+                       "[-2**63, 2**64 - 1]; give it as a JSON string")
 
 
 def _not_json(raw: str | bytes, error: Exception) -> str:
