@@ -156,6 +156,36 @@ def test_a_manifest_torn_by_a_kill_is_xrec_batchs_own(tmp_path, model_dir, engin
     assert [r["id"] for r in read_output(tmp_path / "first")] == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_a_part_is_on_disk_before_the_manifest_counts_it(tmp_path, model_dir, engine, monkeypatch,
+                                                         fmt):
+    """A Parquet part was renamed into place, and counted by the fsynced manifest, without its
+    data ever being fsynced (and no rename made durable): after a power loss the manifest could
+    count an empty part, which --resume keeps. Now each part's data, then its name (the
+    directory), reach the disk before the manifest that counts it is renamed into place."""
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.path.basename(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    source = write_jsonl(tmp_path / "in.jsonl", token_rows(5))
+    run_batch(job(tmp_path, model_dir, source, chunk_rows=2, output_format=fmt), engine)
+    for chunk in range(3):
+        name = part_name(chunk, fmt)
+        renamed = events.index(("replace", name))
+        counted = events.index(("replace", MANIFEST), renamed)
+        assert events[renamed - 1] == ("fsync", f".{name}.tmp")
+        assert ("fsync", "out") in events[renamed:counted]
+    assert events[-1] == ("fsync", "out")   # the last manifest's rename too
+
+
 def test_more_chunks_than_part_names_sort_is_refused(tmp_path, model_dir, monkeypatch):
     """part-{chunk:06d}: part-1000000 sorts before part-200000, and readers of the directory
     (read_output, Spark, pyarrow datasets) get the rows out of order."""

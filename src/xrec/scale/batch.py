@@ -45,8 +45,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from xrec.errors import XrecError
 from xrec.scale.rows import (InputInfo, RowError, RowSettings, answer_record, check_input,
-                             decode_row, error_record, file_format, iter_chunks, naming_os_errors,
-                             output_records, output_schema_for, write_records)
+                             decode_row, error_record, file_format, fsync_directory, iter_chunks,
+                             naming_os_errors, output_records, output_schema_for, write_records)
 
 if TYPE_CHECKING:
     from xrec.engine.engine import Engine
@@ -289,6 +289,7 @@ def write_manifest(out: Path, identity: dict, num_done_chunks: int, num_done_row
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out / MANIFEST)
+        fsync_directory(out)
 
 
 # ---- chunks ----------------------------------------------------------------------------------

@@ -382,18 +382,30 @@ def records_jsonl(records: Sequence[dict]) -> bytes:
 
 
 def write_records(path: Path, records: Sequence[dict], fmt: str, schema: Any = None) -> None:
-    """One part file, written under a temporary name and renamed (never half there)."""
+    """One part file, written under a temporary name, fsynced and renamed (never half there),
+    the rename made durable too: the manifest that counts the part is written next, and a
+    power loss must not leave it counting a part whose data or name never reached the disk."""
     tmp = path.with_name(f".{path.name}.tmp")
     with naming_os_errors(path):
-        if fmt == "parquet":
-            _, pq = pyarrow_modules()
-            pq.write_table(records_table(records, schema), tmp)
-        else:
-            with open(tmp, "wb") as f:
+        with open(tmp, "wb") as f:
+            if fmt == "parquet":
+                _, pq = pyarrow_modules()
+                pq.write_table(records_table(records, schema), f)
+            else:
                 f.write(records_jsonl(records))
-                f.flush()
-                os.fsync(f.fileno())
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_directory(path.parent)
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make the names just renamed into `directory` durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @contextmanager
