@@ -104,6 +104,30 @@ def touch(path: Path) -> None:
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1000))
 
 
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+@pytest.mark.parametrize("damage", ["missing", "empty", "cut"])
+def test_resume_writes_a_counted_part_that_is_not_whole_again(tmp_path, model_dir, engine, fmt,
+                                                               damage):
+    """--resume trusted the manifest's count: a counted part that was missing, empty or cut
+    short (a copy cut short, a power loss before parts were fsynced) was kept, the run said it
+    had finished, and the output lacked those rows or held a part no reader opens. That part
+    and every one after it are written again."""
+    source = write_jsonl(tmp_path / "in.jsonl", token_rows(10))
+    run_batch(job(tmp_path, model_dir, source, chunk_rows=3, output_format=fmt), engine)
+    out = tmp_path / "out"
+    full = read_output(out)
+    part = out / part_name(1, fmt)
+    if damage == "missing":
+        part.unlink()
+    else:
+        part.write_bytes(b"" if damage == "empty" else part.read_bytes()[:-7])
+    resumed = run_batch(job(tmp_path, model_dir, source, chunk_rows=3, output_format=fmt,
+                            resume=True), engine)
+    assert (resumed.num_rows, resumed.num_skipped) == (7, 3)
+    assert read_output(out) == full
+    assert json.loads((out / MANIFEST).read_text())["is_complete"]
+
+
 # ---- the directory is one run's ----------------------------------------------------------------
 
 def test_a_second_run_on_a_held_output_fails_at_once(tmp_path, model_dir, engine):

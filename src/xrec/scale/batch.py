@@ -21,7 +21,8 @@ them. The output is a directory of part files, `part-000000.parquet` (or `.jsonl
 per chunk, and a manifest `_xrec_batch.json`. A part file is written under a
 temporary name and renamed, then the manifest (also renamed into place) counts it;
 a killed run leaves at most a part file that the manifest does not count, which a
-`--resume` deletes and writes again: every row exactly once. A run holds a lock on
+`--resume` deletes and writes again: every row exactly once (a counted part that is
+missing or not whole is written again too, with every part after it). A run holds a lock on
 `._xrec_batch.lock` in the output directory from start to end: a second run on the same
 directory fails at once instead of deleting the parts the first has not yet counted.
 """
@@ -46,7 +47,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 from xrec.errors import XrecError
 from xrec.scale.rows import (InputInfo, RowError, RowSettings, answer_record, check_input,
                              decode_row, error_record, file_format, fsync_directory, iter_chunks,
-                             naming_os_errors, output_records, output_schema_for, write_records)
+                             naming_os_errors, output_records, output_schema_for, pyarrow_modules,
+                             write_records)
 
 if TYPE_CHECKING:
     from xrec.engine.engine import Engine
@@ -257,12 +259,46 @@ def prepare_output(job: BatchJob, identity: dict) -> int:
     if differing:
         raise ValueError(f"--resume: {out} was written by a different run ({', '.join(differing)} "
                          "differ); give the same input, model and settings, or --overwrite")
-    done = int(manifest["num_done_chunks"])
+    done = intact_chunks(out, identity, int(manifest["num_done_chunks"]))
     kept = {part_name(k, identity["output_format"]) for k in range(done)}
     for name in ours:   # written after the manifest, or half written (a part, the manifest)
         if name != MANIFEST and name not in kept:
             (out / name).unlink()
     return done
+
+
+def intact_chunks(out: Path, identity: dict, num_done: int) -> int:
+    """How many of the `num_done` chunks the manifest counts are there whole: the first whose
+    part is missing, unreadable or holds other than its chunk's rows (a copy cut short, a
+    power loss before parts were fsynced) is written again, with every part after it."""
+    fmt, chunk_rows, num_rows = identity["output_format"], identity["chunk_rows"], identity["input_rows"]
+    for chunk in range(num_done):
+        path = out / part_name(chunk, fmt)
+        expected = min(chunk_rows, num_rows - chunk * chunk_rows)
+        found = part_rows(path, fmt)
+        if found != expected:
+            logger.warning("--resume: %s %s; writing it and every part after it again", path,
+                           found if isinstance(found, str) else
+                           f"holds {found} rows, its chunk has {expected}")
+            return chunk
+    return num_done
+
+
+def part_rows(path: Path, fmt: str) -> int | str:
+    """The rows of a part file, or why it has none (missing, unreadable)."""
+    if not path.is_file():
+        return "is missing"
+    if fmt == "parquet":
+        _, pq = pyarrow_modules()
+        try:
+            return pq.ParquetFile(path).metadata.num_rows
+        except Exception as e:   # pyarrow's own errors: truncated, not Parquet, ...
+            return f"is not a readable Parquet file ({e})"
+    lines, last = 0, b"\n"
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            lines, last = lines + block.count(b"\n"), block[-1:]
+    return lines if last == b"\n" else "ends in a partial line"
 
 
 def part_name(chunk: int, fmt: str) -> str:
