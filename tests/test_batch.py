@@ -287,6 +287,23 @@ def test_cli_refusals(tmp_path, model_dir, capsys):
     assert "not allowed with argument" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--beam-width", "0"], "--beam-width: got 0, allowed: 1 to 512 (the engine option max_beam_width)"),
+    (["--beam-width", "9", "--max-beam-width", "8", "--default-beam-width", "4"],
+     "--beam-width: got 9, allowed: 1 to 8 (the engine option max_beam_width)"),
+    (["--num-results", "1025"], "--num-results: got 1025, allowed: 1 to 1024 (the engine option "
+     "max_top_k)")])
+def test_search_settings_out_of_range_are_refused_before_anything_runs(tmp_path, model_dir, capsys,
+                                                                       flags, message):
+    """A --beam-width or --num-results that every row fails was accepted: the model loaded, every
+    row became the same error record and the run exited 0."""
+    source = write_jsonl(tmp_path / "in.jsonl", token_rows(2))
+    assert xrec_main(["batch", "--input", str(source), "--output", str(tmp_path / "o"), "--model",
+                      str(model_dir), "--no-progress", *flags]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [f"xrec batch: error: {message}"]
+    assert not (tmp_path / "o").exists()
+
+
 def test_ray_flag_without_ray_is_one_clear_line(tmp_path, model_dir):
     """`--ray` where Ray cannot be imported: exit 1 and how to install it (ray is made
     unimportable in a child process, whether or not this environment has it)."""

@@ -117,6 +117,21 @@ class BatchJob:
                                             self.chunk_rows, 1024)
         return options
 
+    def check_settings(self) -> None:
+        """The search settings every row shares, against the engine options (ValueError naming
+        the flag): one out of range failed every row alone, once the model had loaded, and the
+        run wrote an output of error records and exited 0."""
+        from xrec.config import EngineOptions
+
+        options = EngineOptions.from_kwargs(**self.options())
+        for flag, value, high, option in (
+                ("--beam-width", self.settings.beam_width, options.max_beam_width, "max_beam_width"),
+                ("--num-results", self.settings.num_results, options.max_top_k, "max_top_k")):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 1 <= value <= high):
+                raise ValueError(f"{flag}: got {value!r}, allowed: 1 to {high} (the engine option "
+                                 f"{option})")
+
     def formats(self) -> tuple[str, str]:
         """(input format, output format): the output's is the input's unless given."""
         fmt = file_format(self.input, self.input_format)
@@ -404,6 +419,7 @@ def run_batch(job: BatchJob, engine: EngineFrontend | None = None,
               owns_process: bool = False) -> BatchSummary:
     """Run `job` in this process (`engine`: an already loaded one with `job.options()`;
     `owns_process`: see `load_engine`)."""
+    job.check_settings()
     input_format, output_format = job.formats()
     info = check_input(job.input, input_format, job.settings)
     schema = output_schema_for(info, output_format)

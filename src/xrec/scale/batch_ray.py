@@ -133,6 +133,7 @@ def run_batch_ray(job: BatchJob, options: RayOptions) -> BatchSummary:
     """Run `job` with Ray Data; the same records as `batch.run_batch`, row for row."""
     import ray
 
+    job.check_settings()
     input_format, output_format = job.formats()
     info = check_input(job.input, input_format, job.settings)
     if info.format == "jsonl":
