@@ -46,9 +46,9 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from xrec.errors import XrecError
 from xrec.scale.rows import (InputInfo, RowError, RowSettings, answer_record, check_input,
-                             decode_row, error_record, file_format, fsync_directory, iter_chunks,
-                             naming_os_errors, output_records, output_schema_for, pyarrow_modules,
-                             write_records)
+                             decode_row, error_record, file_format, iter_chunks, naming_os_errors,
+                             output_records, output_schema_for, pyarrow_modules, write_records)
+from xrec.utils.files import fsync_directory
 
 if TYPE_CHECKING:
     from xrec.engine.engine import Engine

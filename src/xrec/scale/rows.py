@@ -16,10 +16,10 @@ Output: one record per input row, in input order:
 
 A row that fails (a malformed JSON line or one that is not UTF-8, no input, a request
 the engine refuses: a boolean among its ids, a bad `exclude_items`, an id that does not fit
-the output's int64 id column, a JSON integer id past 64 bits, a NaN or infinite id) gets an error record and the run goes on; a file-level
-problem (no id column, no input column, an unreadable file, a Parquet `exclude_items`
-column that is not a list of integers, a Parquet id column that JSONL output cannot hold)
-stops the run before anything is written.
+the output's int64 id column, a JSON integer id past 64 bits, a NaN or infinite id) gets an
+error record and the run goes on; a file-level problem (no id column, no input column, an
+unreadable file, a Parquet `exclude_items` column that is not a list of integers, a Parquet
+id column that JSONL output cannot hold) stops the run before anything is written.
 
 JSONL lines are split as Ray Data's `read_text` splits them (`str.splitlines`, blank
 lines dropped), so both paths number the same rows; but a line that is not UTF-8 fails
@@ -40,6 +40,7 @@ from typing import Any, Iterator, Sequence
 import orjson
 
 from xrec.api_types import RecRequest, RecResponse
+from xrec.utils.files import fsync_directory
 
 INPUT_FIELDS = ("token_ids", "prompt", "sparse_embedding")
 FILTER_FIELDS = ("exclude_items",)   # optional columns, RecRequest fields of the same names
@@ -397,15 +398,6 @@ def write_records(path: Path, records: Sequence[dict], fmt: str, schema: Any = N
             os.fsync(f.fileno())
         os.replace(tmp, path)
         fsync_directory(path.parent)
-
-
-def fsync_directory(directory: Path) -> None:
-    """Make the names just renamed into `directory` durable."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @contextmanager

@@ -11,8 +11,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["FileRefused", "atomic_directory", "check_regular_file", "read_regular_file",
-           "write_file_atomically", "xrec_home"]
+__all__ = ["FileRefused", "atomic_directory", "check_regular_file", "fsync_directory",
+           "read_regular_file", "write_file_atomically", "xrec_home"]
 
 
 @contextmanager
@@ -55,9 +55,19 @@ def write_file_atomically(path: str | Path, data: bytes) -> None:
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
+        fsync_directory(path.parent)   # the rename itself survives a power loss
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def fsync_directory(directory: str | Path) -> None:
+    """Make the names just renamed into `directory` durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _umask() -> int:
