@@ -201,6 +201,16 @@ REFUSALS = [
     ({"num_layers": 1025}, "num_layers", "1025"),                        # built before matched
     ({"num_decoder_layers": 10 ** 8}, "num_decoder_layers", "100000000"),
     ({"use_moe": True, "moe_num_experts": 16385, "moe_topk": 1}, "moe_num_experts", "16385"),
+    # widths past 2^20 and vocabularies past 2^31 - 1 failed inside torch as the model was built
+    ({"d_ff": 2 ** 62}, "d_ff", str(2 ** 62)),
+    ({"d_kv": 2 ** 21}, "d_kv", str(2 ** 21)),
+    ({"num_heads": 2 ** 40, "num_key_value_heads": 1}, "num_heads", str(2 ** 40)),
+    ({"relative_attention_num_buckets": 2 ** 62, "relative_attention_max_distance": 2 ** 70},
+     "relative_attention_num_buckets", str(2 ** 62)),
+    ({"vocab_size": 2 ** 31}, "vocab_size", str(2 ** 31)),
+    ({"use_moe": True, "moe_inter_dim": 2 ** 62}, "moe_inter_dim", str(2 ** 62)),
+    ({"use_moe": True, "moe_use_shared_experts": True, "moe_num_shared_experts": 2 ** 40},
+     "moe_num_shared_experts", str(2 ** 40)),
     ({"model_type": "bert"}, "model_type", "'bert'"),
     ({"model_type": "T5"}, "model_type", "'T5'"),
     ({"bos_token_id": 64}, "bos_token_id", "64"),
@@ -243,6 +253,7 @@ def test_limits_are_inclusive():
     ModelConfig.from_dict({**SMALL, "relative_attention_num_buckets": 4, "relative_attention_max_distance": 3})
     ModelConfig.from_dict({**SMALL, "bos_token_id": 63})
     ModelConfig.from_dict({**SMALL, "use_moe": True, "moe_topk": 8, "moe_num_experts": 8})
+    ModelConfig.from_dict({**SMALL, "d_ff": 2 ** 20, "vocab_size": 2 ** 31 - 1})
     # absolute mode has no buckets to check; MoE keys are not checked without MoE
     ModelConfig.from_dict({**SMALL, "use_absolute_position_embedding": True, "relative_attention_max_distance": 2})
     ModelConfig.from_dict({**SMALL, "moe_topk": 99, "moe_use_shared_experts": True})

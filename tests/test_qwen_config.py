@@ -71,11 +71,30 @@ def test_moe_layer_rule_and_bias_flags():
     (dict(num_hidden_layers=2000), "num_hidden_layers': got 2000, expected an integer >= 1 and "
                                    "<= 1024"),
     (dict(num_experts=20000), "num_experts': got 20000"),
+    # a head count of 0 divided by zero; widths of 2^62 failed inside torch as the model was built
+    (dict(num_attention_heads=0), "num_attention_heads': got 0, expected an integer >= 1"),
+    (dict(intermediate_size=2 ** 62), f"intermediate_size': got {2 ** 62}"),
+    (dict(head_dim=2 ** 62), f"head_dim': got {2 ** 62}"),
+    (dict(moe_intermediate_size=2 ** 40), f"moe_intermediate_size': got {2 ** 40}"),
+    (dict(vocab_size=2 ** 31), f"vocab_size': got {2 ** 31}"),
+    (dict(mlp_only_layers=[True]), "mlp_only_layers': got \\[True\\]"),   # not layer 1
 ])
 def test_unsupported_settings_are_refused_naming_the_key(change, key):
     raw = {**hf_config_dict("qwen3_moe"), **change}
     with pytest.raises(ValueError, match=key):
         model_config_from_dict(raw)
+
+
+def test_head_dim_default_needs_a_hidden_size_the_heads_divide():
+    """Without head_dim (or with null) it is hidden_size / num_attention_heads; a hidden size
+    the heads do not divide names both keys (it read "'head_dim': got 0")."""
+    raw = {**hf_config_dict("qwen2"), "hidden_size": 30, "num_attention_heads": 4}
+    raw.pop("head_dim", None)
+    with pytest.raises(ValueError, match="'head_dim' is missing, and hidden_size=30 is not a "
+                                         "multiple of num_attention_heads=4"):
+        model_config_from_dict(raw)
+    assert model_config_from_dict({**raw, "head_dim": 6}).head_dim == 6
+    assert model_config_from_dict({**raw, "hidden_size": 32, "head_dim": None}).head_dim == 8
 
 
 @pytest.mark.parametrize("missing", ["vocab_size", "hidden_size", "num_hidden_layers"])

@@ -18,6 +18,12 @@ MAX_CONFIG_BYTES = 16 << 20   # a config.json is a few KiB
 # matched (20,000 layers took a minute and 1.3 GB on the meta device; 10**8 ran out of memory).
 MAX_LAYERS = 1024
 MAX_EXPERTS = 16384
+# Widths (hidden and feed-forward sizes, heads, head dims, buckets) past 2^20 are typos too (public
+# models stay under 60,000), and a vocabulary past 2^31 - 1 holds ids a catalog cannot (int32):
+# with them every weight's byte count fits an int64. A width of 2^62 failed inside torch while
+# the model was built ("Storage size calculation overflowed"), not naming the key.
+MAX_WIDTH = 1 << 20
+MAX_VOCAB = (1 << 31) - 1
 
 
 def check_positive(name: str, value: Any, most: int | None = None) -> None:

@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from xrec.config.keys import (DTYPES, MAX_EXPERTS, MAX_LAYERS, check_epsilon, check_positive,
-                              dtype_name, get_key, read_json)
+from xrec.config.keys import (DTYPES, MAX_EXPERTS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, check_epsilon,
+                              check_positive, dtype_name, get_key, read_json)
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,8 @@ class ModelConfig:
                      "head_dim", "num_kv_heads", "decoder_num_heads", "decoder_head_dim",
                      "decoder_num_kv_heads", "vocab_size", "relative_attention_num_buckets",
                      "relative_attention_max_distance"):
-            most = MAX_LAYERS if name.endswith("layers") else None
+            most = MAX_LAYERS if name.endswith("layers") else MAX_VOCAB if name == "vocab_size" \
+                else MAX_WIDTH
             check_positive(_ONEREC_RENAMES.get(name, name), getattr(self, name), most)  # its key
         for heads, kv, prefix in ((self.num_heads, self.num_kv_heads, ""),
                                   (self.decoder_num_heads, self.decoder_num_kv_heads, "decoder_")):
@@ -82,17 +83,17 @@ class ModelConfig:
             raise ValueError(f"config key 'torch_dtype': got {self.torch_dtype!r}, allowed: {DTYPES}")
         if self.use_moe:
             check_positive("moe_num_experts", self.moe_num_experts, MAX_EXPERTS)
-            check_positive("moe_inter_dim", self.moe_inter_dim)
+            check_positive("moe_inter_dim", self.moe_inter_dim, MAX_WIDTH)
             if not 1 <= self.moe_topk <= self.moe_num_experts:
                 raise ValueError(f"config key 'moe_topk': got {self.moe_topk}, expected "
                                  f"1 <= moe_topk <= moe_num_experts={self.moe_num_experts}")
             if not (math.isfinite(self.moe_route_scale) and self.moe_route_scale > 0):
                 raise ValueError(f"config key 'moe_route_scale': got {self.moe_route_scale!r}, "
                                  "expected a finite number > 0")
-            if self.moe_use_shared_experts and self.moe_num_shared_experts < 1:
+            if self.moe_use_shared_experts and not 1 <= self.moe_num_shared_experts <= MAX_EXPERTS:
                 raise ValueError("config key 'moe_num_shared_experts': got "
                                  f"{self.moe_num_shared_experts} with moe_use_shared_experts=true; "
-                                 "expected >= 1")
+                                 f"expected >= 1 and <= {MAX_EXPERTS}")
 
     # what the search and the edge need to know of a family
     is_encoder_decoder = True

@@ -13,8 +13,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from xrec.config.keys import (MAX_EXPERTS, MAX_LAYERS, check_epsilon, check_positive, dtype_name,
-                              get_key)
+from xrec.config.keys import (MAX_EXPERTS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, check_epsilon,
+                              check_positive, dtype_name, get_key)
 
 MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe")
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -55,11 +55,12 @@ class QwenConfig:
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"config key 'model_type': got {self.model_type!r}, allowed: "
                              f"{', '.join(MODEL_TYPES)}")
+        most = {"num_hidden_layers": MAX_LAYERS, "vocab_size": MAX_VOCAB,
+                "max_position_embeddings": None, "decoder_sparse_step": None}   # else MAX_WIDTH
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim",
                      "max_position_embeddings", "decoder_sparse_step"):
-            check_positive(name, getattr(self, name),
-                           MAX_LAYERS if name == "num_hidden_layers" else None)
+            check_positive(name, getattr(self, name), most.get(name, MAX_WIDTH))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"config key 'num_key_value_heads': got {self.num_key_value_heads}, which "
                              f"does not divide num_attention_heads={self.num_attention_heads}")
@@ -70,7 +71,7 @@ class QwenConfig:
         check_epsilon("rms_norm_eps", self.rms_norm_eps)
         if self.model_type == "qwen3_moe":
             check_positive("num_experts", self.num_experts, MAX_EXPERTS)
-            check_positive("moe_intermediate_size", self.moe_intermediate_size)
+            check_positive("moe_intermediate_size", self.moe_intermediate_size, MAX_WIDTH)
             if not 1 <= self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(f"config key 'num_experts_per_tok': got {self.num_experts_per_tok}, "
                                  f"expected 1 <= num_experts_per_tok <= num_experts={self.num_experts}")
@@ -176,7 +177,8 @@ class QwenConfig:
             num_hidden_layers=get_key(raw, "num_hidden_layers", 28, int),
             num_attention_heads=heads,
             num_key_value_heads=get_key(raw, "num_key_value_heads", heads, int),
-            head_dim=get_key(raw, "head_dim", hidden // heads if hidden % heads == 0 else 0, int),
+            head_dim=get_key(raw, "head_dim", None, int) if raw.get("head_dim") is not None
+            else _default_head_dim(hidden, heads),
             rms_norm_eps=get_key(raw, "rms_norm_eps", 1e-6, float),
             rope_theta=_rope_theta(raw),
             max_position_embeddings=get_key(raw, "max_position_embeddings", 32768, int),
@@ -188,7 +190,8 @@ class QwenConfig:
             # transformers 5 writes num_local_experts; released checkpoints say num_experts
             experts_key = "num_experts" if "num_experts" in raw else "num_local_experts"
             layers = raw.get("mlp_only_layers") or []
-            if not isinstance(layers, list) or not all(isinstance(i, int) for i in layers):
+            if not isinstance(layers, list) or \
+                    not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
                 raise ValueError(f"config key 'mlp_only_layers': got {layers!r}, expected a list "
                                  "of layer indices")
             out.update(num_experts=get_key(raw, experts_key, 128, int),
@@ -218,6 +221,18 @@ class QwenConfig:
         d = asdict(self)
         d.update(changes)
         return QwenConfig(**d)
+
+
+def _default_head_dim(hidden: int, heads: int) -> int:
+    """`head_dim` when config.json has none: hidden_size / num_attention_heads. A head count
+    below 1 is left to `check_positive` (it divided by zero here); a hidden size the heads do
+    not divide is an error naming both keys."""
+    if heads < 1:
+        return hidden
+    if hidden % heads:
+        raise ValueError(f"config key 'head_dim' is missing, and hidden_size={hidden} is not a "
+                         f"multiple of num_attention_heads={heads}; give head_dim")
+    return hidden // heads
 
 
 def _rope_theta(raw: dict[str, Any]) -> float:
