@@ -594,7 +594,8 @@ def test_tied_aliases_are_accepted(tmp_path):
 
 def test_an_embedding_alias_alone_is_shared(tmp_path):
     """A checkpoint without shared.weight takes it from its embed_tokens copy (whichever one
-    it holds); one that has shared.weight keeps it, whatever the copies hold."""
+    it holds), or from lm_head.weight in a tied config; a copy that differs from shared.weight
+    is refused (it was dropped without a word: transformers 5 unties them and runs the copy)."""
     cfg = NAIVE_CONFIGS["dense_gqa"]
     sd = random_state_dict(cfg, seed=53)
     want = _outputs(load_model(save_checkpoint(tmp_path / "plain", cfg, sd)))
@@ -604,10 +605,16 @@ def test_an_embedding_alias_alone_is_shared(tmp_path):
     assert torch.equal(model.shared.weight, sd["shared.weight"])
     for a, b in zip(_outputs(model), want):
         _rel_close(a, b, 1e-6)
-    stale = dict(sd)
-    stale["encoder.embed_tokens.weight"] = torch.zeros_like(sd["shared.weight"])
-    model = load_model(save_checkpoint(tmp_path / "stale", cfg, stale))
+    head = {n: t for n, t in sd.items() if n != "shared.weight"}
+    head["lm_head.weight"] = sd["shared.weight"].clone()
+    model = load_model(save_checkpoint(tmp_path / "head", cfg, head))
     assert torch.equal(model.shared.weight, sd["shared.weight"])
+    for copy in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"):
+        stale = dict(sd)
+        stale[copy] = torch.zeros_like(sd["shared.weight"])
+        with pytest.raises(CheckpointError, match=rf"'{copy}' \[64, 32\] differs from "
+                                                  r"'shared.weight' \[64, 32\], but"):
+            load_model(save_checkpoint(tmp_path / f"stale-{copy}", cfg, stale))
 
 
 # ---------------------------------------------------------------------------

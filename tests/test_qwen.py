@@ -245,6 +245,28 @@ def test_checkpoint_missing_q_norm_is_named(models, tmp_path):
         load_model(tmp_path)
 
 
+def test_tied_checkpoint_with_a_different_lm_head_is_refused(models, tmp_path):
+    """tie_word_embeddings true and an lm_head.weight that differs from the embedding: xrec
+    served the embedding without a word, transformers 5 serves the lm_head (it unties them,
+    with a warning), 4.x the embedding. Refused, naming both tensors. An equal copy is dropped,
+    and an lm_head alone is the embedding (transformers ties them that way round too)."""
+    from safetensors.torch import load_file, save_file
+    hf, directory, _ = models("qwen3")
+    (tmp_path / "config.json").write_text((directory / "config.json").read_text())
+    tensors = load_file(str(directory / "model.safetensors"))
+    embedding = tensors["model.embed_tokens.weight"]
+    save_file({**tensors, "lm_head.weight": embedding + 0.5}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"'lm_head.weight' \[96, 32\] differs from "
+                                              r"'model.embed_tokens.weight'.*tie_word_embeddings=true"):
+        load_model(tmp_path)
+    save_file({**tensors, "lm_head.weight": embedding.clone()}, str(tmp_path / "model.safetensors"))
+    assert torch.equal(load_model(tmp_path, dtype=torch.float32).head_weight()[0], embedding)
+    alone = {n: t for n, t in tensors.items() if n != "model.embed_tokens.weight"}
+    save_file({**alone, "lm_head.weight": embedding}, str(tmp_path / "model.safetensors"))
+    model = load_model(tmp_path, dtype=torch.float32)
+    assert torch.equal(model.embed(torch.tensor([3])), embedding[3:4])
+
+
 def test_unknown_model_type_is_refused(models, tmp_path):
     _, directory, _ = models("qwen3")
     raw = json.loads((directory / "config.json").read_text())

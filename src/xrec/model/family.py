@@ -228,6 +228,26 @@ class RecModel(nn.Module):
         return out
 
 
+def merge_tied_copy(tensors: dict[str, torch.Tensor], source: str, copy: str, why: str) -> None:
+    """Fold `copy`, a checkpoint's written-out copy of `source` (`why`: what ties them), into
+    `source`, in place: an equal copy is dropped, and a copy standing alone becomes
+    `source` (transformers ties them the same way round). A copy that differs is refused: the
+    checkpoint holds two weights where the config ties one, and transformers 5 serves the copy
+    untied (with a warning) where 4.x served `source`; xrec dropped the copy without a word."""
+    if copy not in tensors:
+        return
+    if source not in tensors:
+        tensors[source] = tensors.pop(copy)
+        return
+    first, second = tensors[source], tensors.pop(copy)
+    wide = torch.promote_types(first.dtype, second.dtype)
+    if first.shape != second.shape or not torch.equal(first.to(wide), second.to(wide)):
+        raise ValueError(f"tensor {copy!r} {list(second.shape)} differs from {source!r} "
+                         f"{list(first.shape)}, but {why}: one weight, and this checkpoint holds "
+                         f"two; remove {copy!r} to serve {source!r}, or fix config.json if the "
+                         "weights are really separate")
+
+
 def _head_block(weight: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None,
                 scales: torch.Tensor | None, base: torch.Tensor | None = None,
                 onednn_rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,7 +15,7 @@ from torch import nn
 
 from xrec.config import ModelConfig
 from xrec.model.attention import Attention, attend, attend_beams, padding_mask, shared_stage
-from xrec.model.family import RecModel
+from xrec.model.family import RecModel, merge_tied_copy
 from xrec.model.inputs import ModelInputs
 from xrec.model.kv import Allocate, BeamKV, CrossKV, PrefixKV
 from xrec.model.layers import GatedFFN, Linear, RMSNorm, relative_position_bucket
@@ -194,13 +194,11 @@ class OneRecModel(RecModel):
 
     @classmethod
     def prepare_checkpoint(cls, tensors: dict[str, torch.Tensor], config: ModelConfig) -> None:
-        aliases = [n for n in EMBEDDING_ALIASES if n in tensors]
-        if "shared.weight" not in tensors and aliases:
-            tensors["shared.weight"] = tensors[aliases[0]]
-        for name in aliases:
-            del tensors[name]
-        if config.tie_word_embeddings:
-            tensors.pop("lm_head.weight", None)  # some exporters write the tied head out; it is `shared`
+        for name in EMBEDDING_ALIASES:   # T5 shares one embedding (the encoder's and decoder's)
+            merge_tied_copy(tensors, "shared.weight", name, "the encoder and decoder share it")
+        if config.tie_word_embeddings:   # some exporters write the tied head out; it is `shared`
+            merge_tied_copy(tensors, "shared.weight", "lm_head.weight",
+                            "config.json says tie_word_embeddings=true")
         if config.use_absolute_position_embedding:
             # a T5 checkpoint switched to absolute mode may still carry zeroed bias tables
             for name in [n for n in tensors if n.endswith("relative_attention_bias.weight")]:

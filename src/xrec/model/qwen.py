@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from xrec.model.attention import attend, attend_beams, padding_mask, shared_stage
-from xrec.model.family import RecModel
+from xrec.model.family import RecModel, merge_tied_copy
 from xrec.model.inputs import ModelInputs
 from xrec.model.kv import Allocate, BeamKV, PrefixKV
 from xrec.model.layers import Linear, RMSNorm, SwiGLU, stacked_linear
@@ -121,8 +121,9 @@ class QwenModel(RecModel):
 
     @classmethod
     def prepare_checkpoint(cls, tensors: dict[str, torch.Tensor], config: QwenConfig) -> None:
-        if config.tie_word_embeddings:
-            tensors.pop("lm_head.weight", None)  # some exporters write the tied head out
+        if config.tie_word_embeddings:   # some exporters write the tied head out
+            merge_tied_copy(tensors, "model.embed_tokens.weight", "lm_head.weight",
+                            "config.json says tie_word_embeddings=true")
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_tables(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
