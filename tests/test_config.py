@@ -279,6 +279,18 @@ def test_config_files_that_are_not_json_text_name_the_file(tmp_path):
         ModelConfig.from_file(path)
 
 
+def test_a_model_directory_that_is_not_one_is_named(tmp_path):
+    """`xrec serve --model FILE` said "no config.json at FILE/config.json"; now it says the path
+    is not a directory."""
+    from xrec.config import read_model_config
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(b"")
+    with pytest.raises(ValueError, match=rf"model directory {file} is not a directory"):
+        read_model_config(file / "config.json")
+    with pytest.raises(ValueError, match=rf"^no config.json at {tmp_path / 'config.json'}$"):
+        read_model_config(tmp_path / "config.json")
+
+
 def test_from_file_errors(tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
         ModelConfig.from_file(tmp_path / "config.json")

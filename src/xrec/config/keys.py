@@ -75,6 +75,10 @@ def read_json(path: str | Path) -> dict[str, Any]:
     """A config.json as a dict; ValueError naming the file when it is missing or not an object."""
     path = Path(path)
     if not path.exists() and not path.is_symlink():
+        folder = path.parent   # the model directory: a file there is named as such
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"model directory {folder} is not a directory: give the directory "
+                             "that holds config.json and the *.safetensors")
         raise ValueError(f"no config.json at {path}")
     try:   # a regular file of bounded size: a FIFO blocked, /dev/zero read until memory ran out
         raw = json.loads(read_regular_file(path, MAX_CONFIG_BYTES).decode())
