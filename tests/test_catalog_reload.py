@@ -209,6 +209,27 @@ def test_a_load_gives_up_when_the_previous_catalog_stays_busy(engine):
     assert engine.load_catalog(catalog_of(9)).num_items == 400
 
 
+def test_a_load_retried_after_giving_up_still_waits_for_the_released_catalog(engine):
+    """After a load gave up on A (a batch still runs on it), the retry must wait for A too:
+    it used to load C at once, so A (in flight), B and C were all in memory."""
+    gate = engine.executor.fault
+    a_served = weakref.ref(engine._catalogs.current)
+    held = engine.submit(RecRequest(token_ids=[4, 5], beam_width=8, request_id="hold-5"))
+    assert gate.entered.wait(WAIT_S)
+    b = engine.load_catalog(catalog_of(16))
+    engine._catalogs.release_wait_s = 0.05
+    for _ in range(2):   # the retry gives up alike while A's batch runs
+        with pytest.raises(Unavailable, match="still running"):
+            engine.load_catalog(catalog_of(17))
+        assert engine.catalog_version == b and a_served() is not None
+    gate.release.set()
+    assert held.result(timeout=WAIT_S).results
+    engine._catalogs.release_wait_s = WAIT_S
+    c = engine.load_catalog(catalog_of(17))
+    assert a_served() is None and engine.catalog_version == c
+    assert engine.previous_catalog_version == b
+
+
 def test_unconstrained_engine_uses_a_loaded_catalog_for_items_only(model_dir):
     with Engine.from_pretrained(model_dir, isolation="thread",
                                 device="cpu", constrained=False) as engine:

@@ -112,6 +112,9 @@ class CatalogSlots:
         self._slots: tuple[ServedCatalog, ServedCatalog | None] = (first, None)
         self._lock = threading.Lock()
         self.release_wait_s = release_wait_s
+        # set when the catalog a load let go of is freed; kept until it is, so that a load
+        # retried after giving up waits for it too (else three would be in memory)
+        self._released: threading.Event | None = None
 
     @property
     def current(self) -> ServedCatalog:
@@ -148,17 +151,21 @@ class CatalogSlots:
 
     def _release_previous(self) -> None:
         """Drop the previous catalog; wait until the batches still running on it are done
-        (their references are the last ones: it is freed when the last goes)."""
-        if self._slots[1] is None:
+        (their references are the last ones: it is freed when the last goes). A catalog let
+        go of by an earlier load that gave up is waited for the same way."""
+        if self._slots[1] is not None:
+            self._released = threading.Event()
+            weakref.finalize(self._slots[1], self._released.set)
+            self._slots = (self._slots[0], None)
+        released = self._released
+        if released is None:
             return
-        released = threading.Event()
-        weakref.finalize(self._slots[1], released.set)
-        self._slots = (self._slots[0], None)
         if not released.is_set():   # a reference cycle (an exception's frames) may hold it
             gc.collect()
         if not released.wait(self.release_wait_s):
             raise Unavailable(f"a batch launched on the previous catalog is still running after "
                               f"{self.release_wait_s:g} s; retry the load")
+        self._released = None
 
 
 def serve_catalog(catalog: ItemCatalog | None, source: str | None, model: RecModel, rounds: int,
