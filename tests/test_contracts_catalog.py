@@ -91,6 +91,27 @@ def test_extended_strings_are_checked_by_field_and_row(tmp_path, dids, types, wo
                        dids, types)
 
 
+def test_extended_strings_that_utf8_cannot_encode_are_refused_when_the_catalog_is_built(tmp_path):
+    """A lone surrogate (what os.fsdecode makes of a byte that is not UTF-8) used to build a
+    catalog whose content_hash() and write() raised UnicodeEncodeError; a str given for dids
+    was taken as one string per character."""
+    triples = np.zeros((3, 3), int)
+    with pytest.raises(CatalogError, match=r"type of row 2: character 1 .*'\\udcff'.* UTF-8"):
+        ItemCatalog.from_arrays([1, 2, 3], triples, 10, ["a", "b", "c"], ["t", "t", "x\udcffy"])
+    with pytest.raises(CatalogError, match=r"did of row 0: character 0 .*'\\ud800'"):
+        ItemCatalog.from_arrays([1, 2, 3], triples, 10, ["\ud800", "b", "c"], ["t", "t", "t"])
+    with pytest.raises(CatalogError, match=r"did of row 1: got int, expected str"):
+        ItemCatalog.from_arrays([1, 2, 3], triples, 10, ["a", 5, "c"], ["t", "t", "t"])
+    with pytest.raises(CatalogError, match=r"dids: got a str, expected a sequence of one str per item"):
+        ItemCatalog.from_arrays([1, 2, 3], triples, 10, "abc", ["t", "t", "t"])
+    with pytest.raises(CatalogError, match=r"types: got a bytes"):
+        ItemCatalog.from_arrays([1, 2, 3], triples, 10, ["a", "b", "c"], b"ttt")
+    catalog = ItemCatalog.from_arrays([1, 2, 3], triples, 10, ["", "ä,\n\x00", "c"], ["t"] * 3)
+    catalog.write(tmp_path / "c.bin")
+    again = ItemCatalog.read(tmp_path / "c.bin", 10, extended=True)
+    assert again.dids == ("", "ä,\n\x00", "c") and again.content_hash() == catalog.content_hash()
+
+
 def test_item_ids_at_the_int64_bounds_are_valid_and_the_bad_one_is_named():
     assert _item_ids(Path("f"), [str(INT64_MIN), str(INT64_MAX)], str).tolist() == [
         INT64_MIN, INT64_MAX]

@@ -236,15 +236,16 @@ def prepare_columns(item_ids: Any, triples: Any, vocab_size: int, dids: Any = No
     if (dids is None) != (types is None):
         raise CatalogError("dids and types: give both (extended catalog) or neither")
     if dids is not None:
+        for name, values in (("dids", dids), ("types", types)):
+            if isinstance(values, (str, bytes)):   # list() would make one string per character
+                raise CatalogError(f"{name}: got a {type(values).__name__}, expected a sequence "
+                                   f"of one str per item")
         dids, types = list(dids), list(types)
         if len(dids) != num_rows or len(types) != num_rows:
             raise CatalogError(f"dids ({len(dids)}) and types ({len(types)}): expected one per "
                                f"item ({num_rows})")
-        for field, values in (("did", dids), ("type", types)):
-            for row, value in enumerate(values):
-                # a str of at most MAX/4 characters always fits in MAX UTF-8 bytes
-                if not isinstance(value, str) or len(value) > MAX_STRING_BYTES // 4:
-                    encode_string(value, field, row)
+        _check_strings(dids, "did")
+        _check_strings(types, "type")
 
     id_order = np.argsort(item_ids, kind="stable")  # [n] equal ids stay in file order
     sorted_ids = item_ids[id_order]  # [n]
@@ -258,11 +259,35 @@ def prepare_columns(item_ids: Any, triples: Any, vocab_size: int, dids: Any = No
     return CatalogColumns(item_ids.astype(np.int64), triples.astype(np.int32), dids, types)
 
 
+def _check_strings(values: list[Any], field: str) -> None:
+    """Each value is a str that UTF-8 encodes (no lone surrogate) in at most 1 MiB; the first
+    bad one is named (`encode_string`). One join and one encode, not a loop over items."""
+    try:
+        joined = "".join(values)
+    except TypeError:   # not every value is a str
+        row = next(row for row, value in enumerate(values) if not isinstance(value, str))
+        encode_string(values[row], field, row)
+    lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))  # [n]
+    try:
+        joined.encode("utf-8")
+    except UnicodeEncodeError as exc:   # the row whose characters hold exc.start
+        row = int(np.searchsorted(np.cumsum(lengths), exc.start, side="right"))
+        encode_string(values[row], field, row)
+    # a str of at most MAX/4 characters always fits in MAX UTF-8 bytes
+    for row in np.flatnonzero(lengths > MAX_STRING_BYTES // 4).tolist():
+        encode_string(values[row], field, row)
+
+
 def encode_string(value: str, field: str, row: int) -> bytes:
     """UTF-8 bytes of a did/type string, checked against the 1 MiB limit."""
     if not isinstance(value, str):
         raise CatalogError(f"{field} of row {row}: got {type(value).__name__}, expected str")
-    encoded = value.encode("utf-8")
+    try:
+        encoded = value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise CatalogError(f"{field} of row {row}: character {exc.start} "
+                           f"({value[exc.start]!r}) cannot be written in UTF-8 (a lone "
+                           f"surrogate)") from None
     if len(encoded) > MAX_STRING_BYTES:
         raise CatalogError(f"{field} of row {row}: {len(encoded)} bytes in UTF-8, at most "
                            f"{MAX_STRING_BYTES} allowed")
