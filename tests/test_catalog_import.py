@@ -456,3 +456,19 @@ def test_integers_of_thousands_of_digits_are_catalog_errors(tmp_path, tokenizer)
     with pytest.raises(CatalogError, match=r"\(5000 digits\): code c1 is outside the codebook"):
         import_sid2pid(write_json(tmp_path / "s.json", {digits: [1]}), tokenizer, V,
                        codebook_size=16)
+
+
+def test_json_nested_past_the_recursion_limit_is_a_catalog_error(tmp_path, tokenizer):
+    """json.loads raised RecursionError (a traceback, 500 on an admin route) for a
+    tokenizer_config.json or an importer's input nested deeper than Python's limit."""
+    deep = "[" * 100_000 + "]" * 100_000
+    nested = tmp_path / "nested.json"
+    nested.write_text('{"1": ' + deep + "}")
+    for importer in (import_token_map, import_sid2pid):
+        with pytest.raises(CatalogError, match=r"nested.json: JSON nested too deeply"):
+            importer(nested, tokenizer, V)
+    directory = tmp_path / "model"
+    directory.mkdir()
+    (directory / "tokenizer_config.json").write_text(deep)
+    with pytest.raises(CatalogError, match=r"tokenizer_config.json: JSON nested too deeply"):
+        ItemCatalog.from_model_dir(directory, V)

@@ -59,6 +59,8 @@ def _read_json_object(path: Path) -> dict[str, Any]:
         data = json.loads(_read_text(path))
     except json.JSONDecodeError as exc:
         raise CatalogError(f"{path}: not valid JSON ({exc})") from exc
+    except RecursionError:
+        raise CatalogError(f"{path}: JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise CatalogError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data

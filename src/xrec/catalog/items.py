@@ -232,6 +232,8 @@ class ItemCatalog:
             config = json.loads(config_path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise CatalogError(f"{config_path}: cannot read it as JSON ({exc})") from exc
+        except RecursionError:
+            raise CatalogError(f"{config_path}: JSON nested too deeply") from None
         if not isinstance(config, dict):
             raise CatalogError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
         key = "item_catalog" if "item_catalog" in config else "vocab_file"
