@@ -472,3 +472,23 @@ def test_json_nested_past_the_recursion_limit_is_a_catalog_error(tmp_path, token
     (directory / "tokenizer_config.json").write_text(deep)
     with pytest.raises(CatalogError, match=r"tokenizer_config.json: JSON nested too deeply"):
         ItemCatalog.from_model_dir(directory, V)
+
+
+def test_a_key_written_twice_keeps_every_record(tmp_path, tokenizer):
+    """json.loads keeps one value per key: a sid2pid.json listing one semantic ID twice (two
+    shards joined by hand) lost the first list's items without a word, and a token map
+    listing an item twice kept its last triple at its first position. Every record is kept
+    now and the catalog's rule applies: the items of both lists, in file order; an item id
+    listed twice keeps its last triple at that record's position."""
+    path = tmp_path / "sid2pid.json"
+    path.write_text(f'{{"{sid(1, 2, 3)}": [5, 6], "{sid(0, 0, 1)}": [{{"pid": 8}}], '
+                    f'"{sid(1, 2, 3)}": [7]}}')
+    catalog = import_sid2pid(path, tokenizer, V, codebook_size=16)
+    assert catalog.item_ids.tolist() == [5, 6, 8, 7]
+    assert catalog.triples.tolist() == [ids(1, 2, 3)] * 2 + [ids(0, 0, 1), ids(1, 2, 3)]
+    path = tmp_path / "map.json"
+    path.write_text('{"5": ["<s_a_1>", "<s_b_1>", "<s_c_1>"], "6": ["<s_a_2>", "<s_b_2>", '
+                    '"<s_c_2>"], "5": ["<s_a_3>", "<s_b_3>", "<s_c_3>"]}')
+    catalog = import_token_map(path, tokenizer, V)
+    assert catalog.item_ids.tolist() == [6, 5]
+    assert catalog.triples.tolist() == [ids(2, 2, 2), ids(3, 3, 3)]

@@ -54,16 +54,34 @@ def _read_text(path: Path) -> str:
         raise CatalogError(f"{path}: byte offset {exc.start} is not UTF-8") from None
 
 
-def _read_json_object(path: Path) -> dict[str, Any]:
+class _RepeatedKeys(dict):
+    """A JSON object that names a key more than once: the last value per key, as `json`
+    gives, and every (key, value) pair in file order (`pairs`)."""
+
+    pairs: list[tuple[str, Any]]
+
+
+def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """`object_pairs_hook`: a dict, which keeps the pairs when a key repeats."""
+    made = dict(pairs)
+    if len(made) == len(pairs):
+        return made
+    repeated = _RepeatedKeys(made)
+    repeated.pairs = pairs
+    return repeated
+
+
+def _read_json_object(path: Path) -> list[tuple[str, Any]]:
+    """The top-level object's (key, value) pairs in file order, a repeated key included."""
     try:
-        data = json.loads(_read_text(path))
+        data = json.loads(_read_text(path), object_pairs_hook=_json_object)
     except json.JSONDecodeError as exc:
         raise CatalogError(f"{path}: not valid JSON ({exc})") from exc
     except RecursionError:
         raise CatalogError(f"{path}: JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise CatalogError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return data.pairs if isinstance(data, _RepeatedKeys) else list(data.items())
 
 
 def _item_id(path: Path, text: str, where: str) -> int:
@@ -136,10 +154,10 @@ def import_token_map(path: str | os.PathLike, tokenizer: PromptTokenizer,
                      vocab_size: int) -> ItemCatalog:
     """A JSON object item id -> [token, token, token] (MiniOneRec's index)."""
     path, vocab_size = Path(path), check_vocab_size(vocab_size)
-    data = _read_json_object(path)
-    keys = list(data)
+    pairs = _read_json_object(path)
+    keys = [key for key, _ in pairs]
     item_ids = _item_ids(path, keys, lambda row: "")  # [n]
-    tokens = _flat_tokens(path, list(data.values()), lambda row: f"item {keys[row]}")
+    tokens = _flat_tokens(path, [value for _, value in pairs], lambda row: f"item {keys[row]}")
     triples = _token_ids(path, tokens, lambda row: f"item {keys[row]}", tokenizer,
                          vocab_size)  # [n, 3]
     return ItemCatalog(item_ids, triples, vocab_size)
@@ -194,8 +212,8 @@ def import_sid2pid(path: str | os.PathLike, tokenizer: PromptTokenizer, vocab_si
             or not 1 <= codebook_size <= MAX_CODEBOOK_SIZE):
         raise CatalogError(f"codebook_size: got {codebook_size!r}, expected an integer in "
                            f"[1, {MAX_CODEBOOK_SIZE}]")
-    data = _read_json_object(path)
-    keys, values = list(data), list(data.values())
+    pairs = _read_json_object(path)
+    keys, values = [key for key, _ in pairs], [value for _, value in pairs]
     sids = _parse_integers(keys, _UNSIGNED_LINES)  # [K]
     if sids is None or (sids >= codebook_size ** 3).any():
         for key in keys:  # one by one, to name the bad one
@@ -209,7 +227,7 @@ def import_sid2pid(path: str | os.PathLike, tokenizer: PromptTokenizer, vocab_si
                 raise CatalogError(f"{path}: key {key}: code c1 = {int(key) // codebook_size ** 2}"
                                    f" is outside the codebook [0, {codebook_size})")
     if not all(type(value) is list for value in values):
-        key, value = next((k, v) for k, v in data.items() if not isinstance(v, list))
+        key, value = next((k, v) for k, v in pairs if not isinstance(v, list))
         raise CatalogError(f"{path}: key {key}: got {value!r:.80}, expected a list of items")
     codes = np.stack([sids // codebook_size ** 2, sids // codebook_size % codebook_size,
                       sids % codebook_size], axis=1)  # [K, 3]
