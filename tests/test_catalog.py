@@ -277,6 +277,18 @@ def test_convert_caps_and_unknown():
         catalog.convert(np.array(a))
 
 
+def test_convert_caps_past_int64_do_not_cut():
+    """A cap over int64 (as "no cap": 2**64, 10**30) raised OverflowError inside numpy."""
+    catalog = ItemCatalog.from_arrays([100, 101, 102], [(1, 1, 1), (2, 2, 2), (1, 1, 1)], 4)
+    for big in (2**63, 2**64, 10**30, np.uint64(2**64 - 1)):
+        rows = catalog.convert(np.array([[1, 1, 1], [2, 2, 2]]), each_conversion_threshold=big,
+                               total_conversion_threshold=big, seed=0)
+        assert [r.tolist() for r in rows] == [[0, 2], [1]]
+    rows = catalog.convert(np.array([[1, 1, 1], [2, 2, 2]]), each_conversion_threshold=10**30,
+                           total_conversion_threshold=2)
+    assert [r.tolist() for r in rows] == [[0, 2], []]
+
+
 def test_convert_out_of_range_tokens_never_alias_a_real_item():
     """A triple with a token outside [0, vocab) is unknown, even where its mixed-radix key
     equals a real triple's: at V = 4, (1, -1, 2) "means" (0, 3, 2) and (0, 4, 2) (1, 0, 2)."""

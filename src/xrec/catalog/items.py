@@ -34,6 +34,7 @@ _CATALOG_TEXT_LINE = re.compile(r"-?\d+(\s*,\s*-?\d+){3}")
 _CATALOG_LIKE_LINE = re.compile(r"[-+\d]+([\s,;|]+[-+\d]+)+")
 logger = logging.getLogger(__name__)
 _MAX_RANDOM_ITEM_ID = 1 << 62
+_MAX_INT64 = (1 << 63) - 1
 
 
 def _triple_keys(triples: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -366,6 +367,9 @@ class ItemCatalog:
                             ("total_conversion_threshold", total_conversion_threshold)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
                 raise InvalidArgument(f"{name}: got {value!r}, expected an integer >= 0")
+        # a cap past the catalog's size cuts nothing; numpy's int64 arithmetic cannot take 2**63
+        each_conversion_threshold = min(int(each_conversion_threshold), self.num_items)
+        total_conversion_threshold = min(int(total_conversion_threshold), _MAX_INT64)
         if seed is not None and (not isinstance(seed, (int, np.integer)) or seed < 0):
             raise InvalidArgument(f"seed: got {seed!r}, expected an integer >= 0 or None")
         queries = catalog_io.as_integer_array(triples, "triples")
