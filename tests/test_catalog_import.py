@@ -492,3 +492,11 @@ def test_a_key_written_twice_keeps_every_record(tmp_path, tokenizer):
     catalog = import_token_map(path, tokenizer, V)
     assert catalog.item_ids.tolist() == [6, 5]
     assert catalog.triples.tolist() == [ids(2, 2, 2), ids(3, 3, 3)]
+
+
+def test_a_vocab_file_name_the_file_system_refuses_is_a_catalog_error(tmp_path):
+    """A .txt vocab_file whose name is too long for the file system raised OSError (ENAMETOOLONG)
+    from the check for a tokenizer vocabulary, before the reader could name it."""
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"vocab_file": "v" * 300 + ".txt"}))
+    with pytest.raises(CatalogError, match=r"cannot read catalog file .*vvv\.txt: .*too long"):
+        ItemCatalog.from_model_dir(tmp_path, 16)

@@ -79,9 +79,11 @@ def _is_tokenizer_vocabulary(path: Path) -> bool:
     suffix = path.suffix.lower()
     if suffix in TOKENIZER_VOCABULARY_SUFFIXES:
         return True
-    if suffix != ".txt" or not path.is_file():
+    if suffix != ".txt":
         return False
     try:
+        if not path.is_file():   # OSError past ENOENT (a name too long): read() names it
+            return False
         with open(path, encoding="utf-8-sig", errors="replace") as lines:
             first = True
             for line in lines:
