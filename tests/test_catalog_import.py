@@ -500,3 +500,25 @@ def test_a_vocab_file_name_the_file_system_refuses_is_a_catalog_error(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"vocab_file": "v" * 300 + ".txt"}))
     with pytest.raises(CatalogError, match=r"cannot read catalog file .*vvv\.txt: .*too long"):
         ItemCatalog.from_model_dir(tmp_path, 16)
+
+
+def test_naming_the_catalog_that_cannot_finish_leaves_no_temporary_file(tmp_path, model_dir):
+    """tokenizer_config.json was rewritten through a fixed `.tmp` name, neither synced nor
+    removed when the write failed (a full disk; here a file-size limit)."""
+    directory = tmp_path / "model"
+    directory.mkdir()
+    for name in ("tokenizer.json", "config.json"):
+        (directory / name).write_bytes((model_dir / name).read_bytes())
+    config = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config["notes"] = "n" * 20_000   # over the limit below; the 10-item catalog is not
+    (directory / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    before = (directory / "tokenizer_config.json").read_bytes()
+    limited = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (5120, 5120)); "
+               "sys.argv = sys.argv[1:]; runpy.run_module('xrec.catalog.cli', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", limited, "xrec", "import", "--model", str(directory),
+                           "--format", "csv", str(_catalog_csv(tmp_path / "items.csv", 10))],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "File too large" in proc.stderr, proc.stderr
+    assert (directory / "tokenizer_config.json").read_bytes() == before
+    assert sorted(p.name for p in directory.iterdir()) == sorted(
+        ["catalog.bin", "config.json", "tokenizer.json", "tokenizer_config.json"])

@@ -16,6 +16,8 @@ import os
 import sys
 from pathlib import Path
 
+from xrec.utils.files import write_file_atomically
+
 __all__ = ["CATALOG_FILE", "FORMATS", "add_catalog_parser", "import_catalog", "main",
            "run_catalog_import"]
 
@@ -83,9 +85,8 @@ def _name_catalog(model_dir: Path, catalog_file: str) -> None:
     config["item_catalog"] = catalog_file
     if config.get("extended_item_info"):
         config["extended_item_info"] = False  # the importer writes default records
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(temporary, path)
+    write_file_atomically(path, (json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+                          .encode("utf-8"))
 
 
 def run_catalog_import(args: argparse.Namespace) -> int:
