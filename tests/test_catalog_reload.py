@@ -256,6 +256,26 @@ def test_extended_catalog_reload(engine, tmp_path):
     assert items and all(item.did == f"d{item.item_id}" and item.type == "video" for item in items)
 
 
+def test_a_text_catalog_loads_over_an_extended_one_without_naming_extended(engine, tmp_path):
+    """`extended` defaults to the current catalog's form; over an extended catalog that made
+    every .txt/.csv load fail ("an extended catalog must be binary") unless the caller said
+    extended=false, though the text form has no strings to read."""
+    base = catalog_of(18)
+    extended = ItemCatalog.from_arrays(base.item_ids, base.triples, VOCAB,
+                                       dids=["d"] * base.num_items, types=["t"] * base.num_items)
+    assert engine.load_catalog(extended).is_extended
+    text = catalog_of(19)
+    text.write_text(tmp_path / "items.csv")
+    version = engine.load_catalog(tmp_path / "items.csv")
+    assert not version.is_extended and version.content_hash == text.content_hash()
+    items = [item for r in answer(engine).results for item in r.items]
+    assert items and all(item.did is None and item.type is None for item in items)
+    with pytest.raises(InvalidArgument, match="the text form has no did/type strings"):
+        engine.load_catalog(tmp_path / "items.csv", extended=True)   # asked for: refused
+    assert engine.load_catalog(write(extended, tmp_path / "e.bin"), extended=True).is_extended
+    assert not engine.load_catalog(tmp_path / "items.csv").is_extended
+
+
 def test_decoder_only_catalog_tokens_are_checked_against_the_tokenizer(tmp_path):
     from xrec.catalog.sid_vocab import SidLayout
 

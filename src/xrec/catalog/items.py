@@ -198,12 +198,18 @@ class ItemCatalog:
         """Builds a catalog from arrays ([n] ids, [n, 3] tokens), with the file rules."""
         return cls(item_ids, triples, vocab_size, dids, types)
 
+    @staticmethod
+    def is_text_path(path: str | os.PathLike) -> bool:
+        """Whether `read` and `write` take `path` for the text form (a .txt/.csv suffix),
+        which has no did/type strings."""
+        return Path(path).suffix.lower() in TEXT_SUFFIXES
+
     @classmethod
     def read(cls, path: str | os.PathLike, vocab_size: int, extended: bool = False) -> ItemCatalog:
         """Reads a catalog file: text form for a .txt/.csv suffix, binary otherwise."""
         path = Path(path)
         vocab_size = catalog_io.check_vocab_size(vocab_size)
-        if path.suffix.lower() in TEXT_SUFFIXES:
+        if cls.is_text_path(path):
             if extended:
                 raise CatalogError(f"catalog {path}: the text form has no did/type strings; "
                                    f"an extended catalog must be binary")
@@ -262,7 +268,7 @@ class ItemCatalog:
         """Writes the form `read` reads back from `path`: text for a .txt/.csv suffix
         (`write_text`), else binary, extended records when the catalog is extended. Whole or
         not at all: a failed write leaves the file that was there."""
-        if Path(path).suffix.lower() in TEXT_SUFFIXES:
+        if self.is_text_path(path):
             self.write_text(path)
         elif self.is_extended:
             catalog_io.write_extended(path, self._item_ids, self._triples, self._dids, self._types)

@@ -236,7 +236,8 @@ class Engine(EngineFrontend):
         check it completely against the model and the engine, and swap it in atomically:
         batches already launched finish on the catalog they started with, later ones run
         on the new one, and the current one becomes the previous (see `restore_catalog`).
-        `extended`: read extended records (None: as the current catalog).
+        `extended`: read extended records (None: as the current catalog, never for a text
+        file).
 
         Raises `InvalidArgument` for a catalog that fails a check: the current one keeps
         serving. At most two catalogs are in memory: the previous one is let go first
@@ -254,8 +255,10 @@ class Engine(EngineFrontend):
                 loaded, source = catalog, None
             else:
                 current = self._catalogs.current.catalog
+                # by default as the current one; a text file has no strings to read
                 is_extended = extended if extended is not None else \
-                    current is not None and current.is_extended
+                    current is not None and current.is_extended and \
+                    not ItemCatalog.is_text_path(catalog)
                 loaded = ItemCatalog.read(catalog, self.model.config.vocab_size, is_extended)
                 # text that is valid UTF-8 (JSON answers, metrics labels): bytes of a name that
                 # do not decode are written as \xNN, not kept as surrogates

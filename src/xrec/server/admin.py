@@ -20,7 +20,7 @@ Decisions where the issue is silent:
   read by the one check the catalog readers use (`xrec.utils.files`: stat, open without
   blocking, fstat): a FIFO, a device or a directory is refused, never read. It is then
   read as the engine reads catalogs (text for .txt/.csv, binary otherwise; `extended`
-  defaults to the current catalog's form).
+  defaults to the current catalog's form, and to false for a text file).
 - Errors name the file relative to the catalog directory and the problem, never the
   file's text (a load names any file, not only catalogs). The routes need the API key
   like every route but `/health`; with a catalog directory and no key, the server logs a
