@@ -220,6 +220,21 @@ def test_malformed_text_line(tmp_path, line):
     assert line not in str(info.value)   # a file's content is never quoted back (admin loads)
 
 
+@pytest.mark.parametrize("separator", ["\x0b", "\x0c", "\x1c", "\x1e", "\x85", "\u2028"])
+def test_text_lines_are_counted_at_line_breaks_only(tmp_path, separator):
+    """str.splitlines also breaks at form feeds, \\x1c-\\x1e, NEL and U+2028: an error named
+    a line past the one an editor or `wc -l` shows, and a separator inside a line split one
+    record into two."""
+    path = tmp_path / "c.txt"
+    path.write_text(f"1,0,0,0{separator}\n2,0,0,1\n3,0,{separator}0,9\n4,0,0,9\n",
+                    encoding="utf-8")
+    with pytest.raises(CatalogError, match=r"line 3: token t2 = 9 is outside"):
+        ItemCatalog.read(path, 4)
+    path.write_text(f"1,0,0,0\r\n2,0,0,1\r3,0,0,2\n\n4,0,0,{separator}9\n", encoding="utf-8")
+    with pytest.raises(CatalogError, match=r"line 5: "):   # \r\n, \r and \n end a line
+        ItemCatalog.read(path, 4)
+
+
 def test_text_token_outside_vocab(tmp_path):
     path = tmp_path / "c.csv"
     path.write_text("1,0,0,0\n\n2,0,0,9\n")

@@ -41,6 +41,7 @@ _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 # ASCII digits only: `\d` would take other scripts' digits, which int() then reads too
 _TEXT_LINE = re.compile(r"\s*(-?[0-9]+)\s*,\s*(-?[0-9]+)\s*,\s*(-?[0-9]+)\s*,\s*(-?[0-9]+)\s*")
 _INTEGER = re.compile(r"-?[0-9]+")
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")
 MAX_INT64_CHARS = len(str(-(1 << 63)))  # 20: a longer decimal is never an int64
 _TEXT_FIELDS = ("item_id", "t0", "t1", "t2")
 
@@ -176,7 +177,9 @@ def read_text(path: str | os.PathLike, vocab_size: int) -> CatalogColumns:
         raise CatalogError(f"catalog {path}: byte offset {exc.start} is not UTF-8") from None
     rows = []
     is_first = True
-    for line_number, line in enumerate(text.splitlines(), start=1):
+    # \r\n, \r and \n end a line (as the CSV importer and editors count them); str.splitlines
+    # would also break at form feeds, \x1c-\x1e, NEL and U+2028
+    for line_number, line in enumerate(_LINE_BREAK.split(text), start=1):
         stripped = line.strip()
         if not stripped or stripped.startswith("#"):
             continue
