@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "they may read regular files under this directory only (default: off)")
     serve.add_argument("--max-catalog-bytes", type=int, default=None,
                        help="largest catalog file read from --catalog or a load (default 4 GiB)")
-    limits = serve.add_argument_group("connection limits (README, Serving)")
+    limits = serve.add_argument_group("connection limits (README, \"Limits and hostile clients\")")
     limits.add_argument("--max-header-bytes", type=int, default=None,
                         help="request line + headers, else 431 (default 16384)")
     limits.add_argument("--header-timeout-s", type=float, default=None,
@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_parser(sub)
 
     # listed for --help; main() hands `xrec bench ...` to the bench command's own parser
-    sub.add_parser("bench", help="benchmarks: offline | scaling | serve | breakdown | batch")
+    sub.add_parser("bench", help="benchmarks: offline | scaling | breakdown | roofline | serve | "
+                   "embedded | batch | contention (docs/benchmarks.md)")
     for p in (make, rec, serve):
         p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     return parser

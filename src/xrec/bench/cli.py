@@ -85,7 +85,7 @@ def _names(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="xrec bench", description="Benchmarks (see bench/README.md).")
+    parser = argparse.ArgumentParser(prog="xrec bench", description="Benchmarks (see docs/benchmarks.md).")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def common(p: argparse.ArgumentParser) -> None:
