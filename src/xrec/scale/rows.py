@@ -95,8 +95,8 @@ def pyarrow_modules() -> tuple[Any, Any]:
         import pyarrow
         import pyarrow.parquet
     except ImportError:
-        raise ValueError("Parquet needs pyarrow: pip install pyarrow (it comes with "
-                         "xrec[ray])") from None
+        raise ValueError("Parquet needs pyarrow: pip install 'xrec[parquet]' (it comes "
+                         "with xrec[ray] too)") from None
     return pyarrow, pyarrow.parquet
 
 
