@@ -72,14 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a model over HTTP (default: the demo model)")
     serve.add_argument("--model", help="model directory (default: the built-in demo model)")
     serve.add_argument("--catalog", help="catalog file (default: the model directory's)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", help="bearer token required on every request "
+    serve.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="0-65535, 0: any free port "
+                       "(default 8000)")
+    serve.add_argument("--api-key", help="bearer token required on every route but /health "
                        "(default: $XREC_API_KEY; none when unset; an empty key is refused)")
     serve.add_argument("--served-model-name", help="model name in the API (default: the directory's)")
     serve.add_argument("--max-body-bytes", type=int, default=None, help="default: the size of "
                        "the largest valid request for the model (35 MiB for onerec-0.015b)")
-    serve.add_argument("--grace-s", type=float, default=30.0, help="drain time on SIGTERM")
+    serve.add_argument("--grace-s", type=float, default=30.0, help="drain time on SIGTERM, in seconds "
+                       "(default 30, at most 86400)")
     serve.add_argument("--catalog-dir", help="turn catalog loads (POST /v1/admin/catalog) on: "
                        "they may read regular files under this directory only (default: off)")
     serve.add_argument("--max-catalog-bytes", type=int, default=None,

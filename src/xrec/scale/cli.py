@@ -50,7 +50,7 @@ def add_batch_parser(sub: Any) -> argparse.ArgumentParser:
                        "beam width)")
     batch.add_argument("--no-items", action="store_true", help="no catalog items in the output")
     batch.add_argument("--chunk-rows", type=int, default=1024, help="rows submitted to an "
-                       "engine at once; also the unit of --resume and of a Ray batch")
+                       "engine at once; also the unit of --resume and of a Ray batch (default 1024)")
     again = batch.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true", help="continue the run that wrote "
                        "--output (a killed run restarts where it stopped)")
@@ -138,7 +138,7 @@ def add_serve_ray_flags(serve: argparse.ArgumentParser) -> None:
     group = serve.add_argument_group("Ray Serve (--ray; pip install 'xrec[ray]')")
     group.add_argument("--ray", action="store_true", help="serve through Ray Serve: --replicas "
                        "engines behind one HTTP endpoint (the same routes)")
-    group.add_argument("--replicas", type=int, default=1, help="replicas (each one Engine)")
+    group.add_argument("--replicas", type=int, default=1, help="replicas (each one Engine; default 1)")
     group.add_argument("--max-replicas", type=int, help="autoscale between --replicas and this "
                        "on the replicas' queues")
     group.add_argument("--address", help="an existing Ray cluster (default: $RAY_ADDRESS, else "
