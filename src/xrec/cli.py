@@ -73,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", help="model directory (default: the built-in demo model)")
     serve.add_argument("--catalog", help="catalog file (default: the model directory's)")
     serve.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000, help="0-65535, 0: any free port "
-                       "(default 8000)")
+    serve.add_argument("--port", type=int, default=8000, help="0-65535; 0: any free port (not with "
+                       "--ray) (default 8000)")
     serve.add_argument("--api-key", help="bearer token required on every route but /health "
                        "(default: $XREC_API_KEY; none when unset; an empty key is refused)")
     serve.add_argument("--served-model-name", help="model name in the API (default: the directory's)")
