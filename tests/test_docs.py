@@ -50,3 +50,18 @@ def test_the_layout_trees_name_real_files():
                 if name.endswith("/"):
                     stack.append((indent, str(path)))
     assert not missing, "layout trees name files that do not exist:\n" + "\n".join(missing)
+
+
+def test_the_engine_options_table_lists_every_option():
+    """docs/serving.md's "Engine options" table has one row per `EngineOptions` field, and no
+    row for an option that does not exist (`adaptive_threads` was missing from it)."""
+    from dataclasses import fields
+
+    from xrec.config.engine import EngineOptions
+
+    text = (ROOT / "docs" / "serving.md").read_text()
+    section = text.split("## Engine options", 1)[1].split("\n## ", 1)[0]
+    rows = set(re.findall(r"^\| `(\w+)` \|", section, re.M))
+    names = {f.name for f in fields(EngineOptions)}
+    assert rows == names, (f"options without a row: {sorted(names - rows)}; rows without an "
+                           f"option: {sorted(rows - names)}")
