@@ -42,14 +42,14 @@ def trained(split, tmp_path_factory):
     """One briefly trained model per family over unique semantic IDs (the default rule)."""
     sid_dir = tmp_path_factory.mktemp("walk") / "sid"
     build_sid_dir(split, sid_dir, embeddings="svd", codebook_size=8, dim=8)
-    tokens = SidVocabulary.read(sid_dir, split.data.num_items).item_tokens
+    tokens = SidVocabulary.read(sid_dir, split.data.item_ids).item_tokens
     assert len(np.unique(tokens, axis=0)) == split.data.num_items
     return {family: _train(split, sid_dir, sid_dir.parent / family, family, epochs=4)
             for family in ("qwen3", "onerec")}
 
 
 def _rank(split, model_dir, beam_width, **how):
-    ranker = GenerativeRanker.open(model_dir, split.data.num_items)
+    ranker = GenerativeRanker.open(model_dir, split.data.item_ids)
     try:
         return ranker.rank(split, "test", beam_width, beam_width, **how)
     finally:

@@ -3,8 +3,9 @@ half-written, options out of range and two models of one name refused before any
 
 from __future__ import annotations
 
-import math
 import argparse
+import dataclasses
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -97,3 +98,60 @@ def test_eval_refuses_two_models_of_one_name_before_ranking(split, tmp_path):
         eval_run.evaluate(split, [first, second], tmp_path / "eval",
                           eval_run.EvalOptions(baselines=()), progress=False, log=lambda *_: None)
     assert not (tmp_path / "eval").exists()
+
+
+def _write_csv(data, path, rows=None):
+    """`data` as an interactions file, its rows in the order `rows` (default: as they are)."""
+    rows = range(len(data)) if rows is None else rows
+    lines = ["user_id,item_id,timestamp"] + [
+        f"{data.user_ids[data.users[r]]},{data.item_ids[data.items[r]]},{data.timestamps[r]:g}"
+        for r in rows]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+SMALL_FLAGS = ["--hidden", "32", "--heads", "2", "--layers", "1", "--max-items", "8",
+               "--batch-size", "16", "--warmup-steps", "5", "--valid-beam-width", "10",
+               "--threads", "1", "--no-progress"]
+
+
+def test_train_refuses_semantic_ids_of_the_same_file_in_another_row_order(split, tmp_path,
+                                                                          capsys):
+    """Item index i is the i-th distinct item of the file: the same rows in reverse order
+    number the items otherwise (the same split per user, the same item count), and the
+    semantic IDs built from one file gave every item of the other another item's ID."""
+    from xrec.cli import main
+
+    data = split.data
+    built_from = _write_csv(data, tmp_path / "a.csv")
+    reversed_rows = _write_csv(data, tmp_path / "b.csv", range(len(data) - 1, -1, -1))
+    sid = tmp_path / "sid"
+    assert main(["sid", "build", "--data", str(built_from), "--out", str(sid),
+                 "--embeddings", "svd", "--dim", "8", "--codebook-size", "8"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--data", str(reversed_rows), "--sid", str(sid), "--out",
+                 str(tmp_path / "m"), "--epochs", "1", *SMALL_FLAGS]) == 1
+    err = capsys.readouterr().err
+    last = data.item_ids[data.items[-1]]   # item index 0 of the reversed file
+    assert f"item index 0 is {data.item_ids[0]!r} in its catalog but {last!r} in the data" in err
+    assert "rows in another order" in err
+    assert not (tmp_path / "m").exists() and not (tmp_path / "m.partial").exists()
+
+
+def test_eval_refuses_a_model_whose_items_are_not_the_datas(split, tmp_path, capsys):
+    """A file with as many items, one of them another id: the model trained on the first is
+    refused, naming the item, instead of ranking with shifted semantic IDs."""
+    from xrec.cli import main
+
+    sid = tmp_path / "sid"
+    build_sid_dir(split, sid, embeddings="svd", codebook_size=8, dim=8)
+    model = _tiny_model(split, sid, tmp_path / "qwen3")
+    data = split.data
+    renamed = dataclasses.replace(data, item_ids=data.item_ids[:5] + ("renamed",)
+                                  + data.item_ids[6:])
+    other = _write_csv(renamed, tmp_path / "other.csv")
+    assert main(["eval", "--data", str(other), "--model", str(model), "--out",
+                 str(tmp_path / "eval"), "--baselines", "none", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert f"item index 5 is {data.item_ids[5]!r} in its catalog but 'renamed' in the data" in err
+    assert "(1 of 40 items differ)" in err

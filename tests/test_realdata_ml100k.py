@@ -59,7 +59,7 @@ def test_ml100k_slice_trains_beats_most_popular_and_serves(tmp_path, capsys):
     (model,) = report["models"]
     assert hr[model] > hr["most-popular"], hr
 
-    vocab = SidVocabulary.read(model_dir, split.data.num_items)
+    vocab = SidVocabulary.read(model_dir, split.data.item_ids)
     prompt = prompts(vocab, [split.history("test")[0]], SHORT["max_items"])[0]
     with Engine.from_pretrained(model_dir, isolation="thread") as engine:
         answer = engine.recommend([RecRequest(token_ids=prompt, beam_width=16,

@@ -4,6 +4,7 @@ computing what the trained Hugging Face model computes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -82,7 +83,7 @@ def _train(split, sid_dir, out, family, epochs=12, **options):
 def test_trained_model_beats_popularity_and_random(split, trained, family):
     """Validation stage through the engine: the walk is learnt (HR@10 far above the 10/40 of
     a random ranking and above most-popular)."""
-    ranker = GenerativeRanker.open(trained[family], split.data.num_items)
+    ranker = GenerativeRanker.open(trained[family], split.data.item_ids)
     try:
         ranked = ranker.rank(split, "valid", 10, 16)
     finally:
@@ -99,7 +100,7 @@ def test_trained_directory_serves_what_was_trained(split, trained):
     Hugging Face model does: teacher-forced log-probabilities, summed, from the forward pass
     training runs (onerec: the last target of a one-pass window)."""
     for family, model_dir in trained.items():
-        vocab = SidVocabulary.read(model_dir, split.data.num_items)
+        vocab = SidVocabulary.read(model_dir, split.data.item_ids)
         prompt = prompts(vocab, [split.train[0]], 8)[0]
         with Engine.from_pretrained(model_dir, isolation="thread", device="cpu") as engine:
             best = engine.recommend([RecRequest(token_ids=prompt, beam_width=8,
@@ -121,7 +122,7 @@ def test_dropout_acts_in_training_only(split, trained, family):
     """`dropout`: the same initial weights; in training mode a pass drops (two passes differ,
     and differ from the model without dropout); in eval mode it is the model without."""
     config = _config(trained[family])
-    vocab = SidVocabulary.read(trained[family], split.data.num_items)
+    vocab = SidVocabulary.read(trained[family], split.data.item_ids)
     batch = [np.array([*prompts(vocab, [split.train[0]], 8)[0], 5, 6, 7])]
     plain, dropped = (TrainableModel.create(config, seed=0, dropout=p) for p in (0.0, 0.3))
     for name, tensor in plain.state().items():
@@ -300,8 +301,9 @@ def test_resume_refuses_other_data_or_rebuilt_semantic_ids(split, tmp_path, monk
     out = tmp_path / "m"
     _interrupted(split, sid, out, monkeypatch, (trainer._Run, "validate"))
     options = TrainOptions(family="qwen3", epochs=3, patience=20, **SMALL)
-    other = leave_one_out(walk_interactions(seed=1))
-    assert other.data.num_items == split.data.num_items
+    # the same items (so the same item indices), each user's interactions in reverse order
+    other = leave_one_out(dataclasses.replace(split.data, timestamps=-split.data.timestamps))
+    assert other.data.item_ids == split.data.item_ids
     with pytest.raises(ValueError, match="other inputs: the interaction data"):
         train(other, sid, out, options, progress=False, threads=1)
     build_sid_dir(split, sid, embeddings="svd", codebook_size=8, dim=8, seed=1, replace=True)
@@ -324,7 +326,7 @@ def test_final_fit_trains_on_the_validation_item_too_without_validating(split, s
     final, same = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("final", "same"))
     for name in final:
         torch.testing.assert_close(final[name], same[name], rtol=0, atol=0, msg=name)
-    ranker = GenerativeRanker.open(tmp_path / "final", split.data.num_items)
+    ranker = GenerativeRanker.open(tmp_path / "final", split.data.item_ids)
     try:
         assert ranker.rank(split, "test", 10, 16).shape == (split.data.num_users, 10)
     finally:
@@ -372,7 +374,7 @@ def test_lookahead_heads_change_training_but_not_the_written_model(split, sid_di
     assert any(not torch.allclose(a[n], b[n]) for n in a)
     reports = [json.loads((d / "train_report.json").read_text()) for d in (plain, ahead)]
     assert reports[0]["parameters"] == reports[1]["parameters"]
-    ranker = GenerativeRanker.open(ahead, split.data.num_items)
+    ranker = GenerativeRanker.open(ahead, split.data.item_ids)
     try:
         assert ranker.rank(split, "test", 10, 16).shape == (split.data.num_users, 10)
     finally:

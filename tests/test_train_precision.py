@@ -66,7 +66,7 @@ def walk(tmp_path_factory):
     split = leave_one_out(walk_interactions())
     sid_dir = tmp_path_factory.mktemp("walk") / "sid"
     build_sid_dir(split, sid_dir, embeddings="svd", codebook_size=8, dim=8)
-    return split, sid_dir, SidVocabulary.read(sid_dir, split.data.num_items)
+    return split, sid_dir, SidVocabulary.read(sid_dir, split.data.item_ids)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "onerec"])

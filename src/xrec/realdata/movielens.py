@@ -105,7 +105,7 @@ def show_users(split, model_dir: Path, count: int) -> tuple[np.ndarray, np.ndarr
     titles = data.item_titles or data.item_ids
     users = np.random.default_rng(0).choice(np.flatnonzero(split.test >= 0), count, replace=False)
     histories = split.history("test")
-    ranker = GenerativeRanker.open(model_dir, data.num_items)
+    ranker = GenerativeRanker.open(model_dir, data.item_ids)
     try:
         ranked = ranker.rank(split, "test", 10, 64, users=users, exclude_seen_in_search=True)
         last = histories[users[0]][-5:]

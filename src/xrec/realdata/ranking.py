@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -32,7 +33,10 @@ class GenerativeRanker:
     max_items: int
 
     @classmethod
-    def open(cls, model_dir: str | Path, num_items: int, **engine_options) -> GenerativeRanker:
+    def open(cls, model_dir: str | Path, item_ids: Sequence[str],
+             **engine_options) -> GenerativeRanker:
+        """The model of `xrec train` in `model_dir`, for data whose item ids by item index
+        are `item_ids` (`Interactions.item_ids`; checked against the model's catalog)."""
         from xrec import Engine
 
         model_dir = Path(model_dir)
@@ -40,7 +44,7 @@ class GenerativeRanker:
         if not spec_path.is_file():
             raise DataError(f"{model_dir} has no {PROMPT_FILE}: not a model of `xrec train`")
         spec = json.loads(spec_path.read_text())
-        vocab = SidVocabulary.read(model_dir, num_items)
+        vocab = SidVocabulary.read(model_dir, item_ids)
         return cls(Engine.from_pretrained(model_dir, isolation="thread",
                                           **engine_options), vocab, spec["max_items"])
 

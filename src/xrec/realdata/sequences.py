@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -34,9 +35,11 @@ class SidVocabulary:
     item_tokens: np.ndarray        # int64 [num_items, 3], row = item index
 
     @classmethod
-    def read(cls, sid_dir: str | Path, num_items: int) -> SidVocabulary:
-        """Reads `sid_report.json` and the catalog of a sid directory; every item index in
-        [0, num_items) must have an ID."""
+    def read(cls, sid_dir: str | Path, item_ids: Sequence[str]) -> SidVocabulary:
+        """Reads `sid_report.json` and the catalog of a sid directory (or of a model directory
+        of `xrec train`, which holds the same files). `item_ids`: the data's item ids by item
+        index (`Interactions.item_ids`); the catalog must give item index i the id
+        `item_ids[i]` as its did, since item indices follow the data file's row order."""
         sid_dir = Path(sid_dir)
         report_path = sid_dir / "sid_report.json"
         if not report_path.is_file():
@@ -46,13 +49,8 @@ class SidVocabulary:
         layout = SidLayout(num_base_tokens=report["num_base_tokens"],
                            codebook_size=report["codebook_size"])
         catalog = ItemCatalog.from_model_dir(sid_dir, layout.vocab_size)
-        ids = catalog.item_ids
-        if len(ids) != num_items or not np.array_equal(np.sort(ids), np.arange(num_items)):
-            raise DataError(f"{sid_dir}: its catalog has {len(ids)} items, the data has "
-                            f"{num_items}: the IDs were built from other data")
-        tokens = np.empty((num_items, 3), dtype=np.int64)
-        tokens[ids] = catalog.triples
-        return cls(sid_dir, layout, tokens)
+        rows = _check_items(sid_dir, catalog, item_ids)
+        return cls(sid_dir, layout, catalog.triples[rows].astype(np.int64))
 
     @property
     def bos_id(self) -> int:
@@ -61,6 +59,32 @@ class SidVocabulary:
     @property
     def vocab_size(self) -> int:
         return self.layout.vocab_size
+
+
+def _check_items(sid_dir: Path, catalog: ItemCatalog, item_ids: Sequence[str]) -> np.ndarray:
+    """The catalog rows of item indices 0 .. len(item_ids) - 1, after checking that the
+    catalog was built from this data: the same item count, and item index i's did is
+    `item_ids[i]` (the same file with its rows in another order numbers the items otherwise,
+    and every item would silently get another item's semantic ID)."""
+    num_items = len(item_ids)
+    ids = catalog.item_ids
+    if len(ids) != num_items or not np.array_equal(np.sort(ids), np.arange(num_items)):
+        raise DataError(f"{sid_dir}: its catalog has {len(ids)} items, the data has "
+                        f"{num_items}: the IDs were built from other data")
+    if catalog.dids is None:
+        raise DataError(f"{sid_dir}: its catalog has no item ids (not an extended catalog) to "
+                        f"check against the data's; rebuild it with `xrec sid build`")
+    rows = np.argsort(ids)                                             # [n] item index -> row
+    dids = np.array(catalog.dids, dtype=object)[rows]                 # [n]
+    wrong = np.flatnonzero(dids != np.array(item_ids, dtype=object))
+    if wrong.size:
+        index = int(wrong[0])
+        raise DataError(f"{sid_dir}: item index {index} is {dids[index]!r} in its catalog but "
+                        f"{item_ids[index]!r} in the data ({wrong.size} of {num_items} items "
+                        f"differ): the IDs were built from other data, or from this data with "
+                        f"its rows in another order (item indices follow the order of first "
+                        f"appearance); run `xrec sid build` on this data")
+    return rows
 
 
 def prompts(vocab: SidVocabulary, histories, max_items: int) -> list[list[int]]:

@@ -196,7 +196,7 @@ def _rank_generative(split, model_dir, options: EvalOptions, users, progress,
 
     from xrec.realdata.ranking import GenerativeRanker
 
-    ranker = GenerativeRanker.open(model_dir, split.data.num_items, dtype=dtype)
+    ranker = GenerativeRanker.open(model_dir, split.data.item_ids, dtype=dtype)
     resolved = ranker.engine.dtype
     if dtype == "float32":
         in_search_passes = (False, True) if options.exclude_seen else (False,)

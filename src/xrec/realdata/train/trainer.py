@@ -54,7 +54,7 @@ def train(split: Split, sid_dir: str | Path, out_dir: str | Path, options: Train
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise ValueError(f"{out_dir} exists: choose another --out or delete it")
-    vocab = SidVocabulary.read(sid_dir, split.data.num_items)
+    vocab = SidVocabulary.read(sid_dir, split.data.item_ids)
     config = model_config(options.family, vocab.vocab_size, options.hidden, options.layers,
                           options.heads, 3 * options.max_items + 8, vocab.bos_id)
     work = out_dir.with_name(out_dir.name + ".partial")
@@ -287,7 +287,7 @@ class _Run:
         from xrec.realdata.data.metrics import ranking_metrics
         from xrec.realdata.ranking import GenerativeRanker
 
-        ranker = GenerativeRanker.open(self.work / self.last_dir / "model", self.split.data.num_items,
+        ranker = GenerativeRanker.open(self.work / self.last_dir / "model", self.split.data.item_ids,
                                        device="cpu", num_threads=self.threads)
         try:
             ranked = ranker.rank(self.split, "valid", 10, self.options.valid_beam_width,
