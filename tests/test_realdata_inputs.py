@@ -155,3 +155,36 @@ def test_eval_refuses_a_model_whose_items_are_not_the_datas(split, tmp_path, cap
     err = capsys.readouterr().err
     assert f"item index 5 is {data.item_ids[5]!r} in its catalog but 'renamed' in the data" in err
     assert "(1 of 40 items differ)" in err
+
+
+NOBODY_EVALUATED = "no user has the 3 interactions the leave-one-out split needs"
+
+
+@pytest.mark.parametrize("command", [
+    ["train", "--epochs", "1", *SMALL_FLAGS], ["train", "--final", "--epochs", "1", *SMALL_FLAGS],
+    ["eval", "--baselines", "most-popular,item-knn", "--no-progress"],
+    ["sid", "build", "--embeddings", "sasrec", "--codebook-size", "8"]])
+def test_data_where_nobody_has_three_interactions_is_refused(tmp_path, monkeypatch, capsys,
+                                                             command):
+    """Every user has 1 or 2 interactions: leave-one-out evaluates nobody. Training validated
+    on no user (HR@10 NaN, "best" epoch 1), eval wrote tables of NaN, and SASRec (eval's
+    baseline, sid build's default embeddings) trained all 300 epochs without early stopping.
+    A final fit is refused too: it replays what validation chose, and only test items
+    measure it. SVD semantic IDs need no evaluated user."""
+    from xrec.cli import main
+
+    monkeypatch.setenv("XREC_HOME", str(tmp_path / "home"))
+    rows = [f"u{u},i{(u + step) % 12},{step}" for u in range(30) for step in range(1 + u % 2)]
+    data = tmp_path / "pairs.csv"
+    data.write_text("user_id,item_id,timestamp\n" + "\n".join(rows) + "\n")
+    sid = tmp_path / "sid"
+    assert main(["sid", "build", "--data", str(data), "--out", str(sid), "--embeddings", "svd",
+                 "--dim", "4", "--codebook-size", "8"]) == 0
+    where = {"train": ["--sid", str(sid), "--out", str(tmp_path / "m")],
+             "eval": ["--out", str(tmp_path / "eval")],
+             "sid": ["--out", str(tmp_path / "sid2")]}[command[0]]
+    capsys.readouterr()
+    assert main([*command, "--data", str(data), *where]) == 1
+    err = capsys.readouterr().err
+    assert NOBODY_EVALUATED in err and "the most any of its 30 users has is 2" in err
+    assert not any((tmp_path / name).exists() for name in ("m", "m.partial", "eval", "sid2"))

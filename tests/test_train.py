@@ -386,9 +386,9 @@ def test_bad_inputs_have_clear_errors(split, sid_dir, tmp_path):
     with pytest.raises(DataError, match="run `xrec sid build` first"):
         train(split, tmp_path / "nothing", tmp_path / "m", options, progress=False)
     other = leave_one_out(walk_interactions(seed=1))   # 40 items too, but another split
-    small = Interactions("tiny", ("u",), ("a", "b"), np.zeros(2, np.int32),
-                         np.array([0, 1], np.int32), np.array([0.0, 1.0]))
-    with pytest.raises(DataError, match="catalog has 40 items, the data has 2"):
+    small = Interactions("tiny", ("u",), ("a", "b", "c"), np.zeros(3, np.int32),
+                         np.array([0, 1, 2], np.int32), np.array([0.0, 1.0, 2.0]))
+    with pytest.raises(DataError, match="catalog has 40 items, the data has 3"):
         train(leave_one_out(small), sid_dir, tmp_path / "m", options, progress=False)
     (tmp_path / "exists").mkdir()
     with pytest.raises(ValueError, match="exists"):

@@ -77,6 +77,18 @@ class Split:
         for part in (*self.train, self.valid, self.test):
             digest.update(np.ascontiguousarray(part, dtype=np.int32).tobytes())
 
+    def check_evaluated(self, needed_by: str) -> None:
+        """DataError unless some user has a test item, i.e. 3 or more interactions (none
+        has a validation item either then: every metric would be the NaN of zero users);
+        `needed_by` says what needs them."""
+        if (self.test >= 0).any():
+            return
+        most = int(np.bincount(self.data.users, minlength=1).max())
+        raise DataError(f"{self.data.name}: no user has the 3 interactions the leave-one-out "
+                        f"split needs to evaluate anyone (a test item, a validation item and "
+                        f"one to learn from; the most any of its {self.data.num_users} users "
+                        f"has is {most}), and {needed_by}")
+
     def targets(self, stage: str) -> np.ndarray:
         """int32 [num_users]: each user's item of `stage` (-1: user not evaluated)."""
         if stage not in ("valid", "test"):

@@ -82,6 +82,7 @@ class EvalOptions:
 def evaluate(split: Split, model_dirs: list[Path], out_dir: Path, options: EvalOptions,
              progress: bool = True, log=print) -> dict:
     """Ranks `options.stage` for every user with a target; returns and writes the report."""
+    split.check_evaluated("`xrec eval` ranks for them alone")
     _check_distinct_names(model_dirs)
     out_dir.mkdir(parents=True, exist_ok=True)
     users = np.flatnonzero(split.targets(options.stage) >= 0)

@@ -316,6 +316,8 @@ def train_sasrec(split: Split, config: SASRecConfig, progress: bool = True,
     `epoch_logs` filled)."""
     if valid_every < 1:
         raise ValueError(f"valid_every: got {valid_every}, expected >= 1")
+    split.check_evaluated("SASRec stops early on their validation items (semantic IDs of "
+                          "such data: --embeddings svd)")
     seqs = [s for s in split.train if len(s) >= 2]
     if not seqs:
         raise DataError("SASRec: no user has 2 or more training interactions")

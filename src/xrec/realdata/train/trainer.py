@@ -51,6 +51,8 @@ def train(split: Split, sid_dir: str | Path, out_dir: str | Path, options: Train
     also written to `out_dir/train_report.json`. `threads`: torch's intra-op threads for
     training and validation (default: torch's; small models train faster on one)."""
     options.check()
+    split.check_evaluated("`xrec train` chooses its epoch on their validation items (and "
+                          "a --final model is measured on their test items)")
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise ValueError(f"{out_dir} exists: choose another --out or delete it")
