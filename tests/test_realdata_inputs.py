@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -188,3 +189,27 @@ def test_data_where_nobody_has_three_interactions_is_refused(tmp_path, monkeypat
     err = capsys.readouterr().err
     assert NOBODY_EVALUATED in err and "the most any of its 30 users has is 2" in err
     assert not any((tmp_path / name).exists() for name in ("m", "m.partial", "eval", "sid2"))
+
+
+@pytest.mark.parametrize("damage, said", [
+    (("tokenizer_config.json", None), "no tokenizer_config.json naming its catalog"),
+    (("sid_report.json", "{"), "sid_report.json: not a report of `xrec sid build` (Expecting"),
+    (("sid_report.json", "{}"), "sid_report.json: not a report of `xrec sid build` (no key "
+                                "'num_base_tokens')"),
+    (("sid_report.json", "[]"), "sid_report.json: not a report of `xrec sid build` (list "
+                                "indices")])
+def test_a_damaged_sid_directory_is_named(split, tmp_path, damage, said):
+    """A sid directory without its tokenizer_config.json (so without a catalog) failed with
+    AttributeError on None, a sid_report.json without its keys with a bare KeyError, a torn
+    one with a JSON error that named no file."""
+    from xrec.realdata.data import DataError
+
+    sid = tmp_path / "sid"
+    build_sid_dir(split, sid, embeddings="svd", codebook_size=8, dim=8)
+    name, text = damage
+    if text is None:
+        (sid / name).unlink()
+    else:
+        (sid / name).write_text(text)
+    with pytest.raises(DataError, match=re.escape(said)):
+        train(split, sid, tmp_path / "m", TrainOptions(epochs=1, **SMALL), progress=False)

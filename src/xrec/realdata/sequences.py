@@ -45,10 +45,12 @@ class SidVocabulary:
         if not report_path.is_file():
             raise DataError(f"{sid_dir} is not a semantic-ID directory (no sid_report.json): "
                             f"run `xrec sid build` first")
-        report = json.loads(report_path.read_text())
-        layout = SidLayout(num_base_tokens=report["num_base_tokens"],
-                           codebook_size=report["codebook_size"])
+        layout = _read_layout(report_path)
         catalog = ItemCatalog.from_model_dir(sid_dir, layout.vocab_size)
+        if catalog is None:
+            raise DataError(f"{sid_dir}: no tokenizer_config.json naming its catalog "
+                            f"(\"item_catalog\"): an incomplete semantic-ID directory; run "
+                            f"`xrec sid build` again")
         rows = _check_items(sid_dir, catalog, item_ids)
         return cls(sid_dir, layout, catalog.triples[rows].astype(np.int64))
 
@@ -59,6 +61,19 @@ class SidVocabulary:
     @property
     def vocab_size(self) -> int:
         return self.layout.vocab_size
+
+
+def _read_layout(report_path: Path) -> SidLayout:
+    """The token layout `sid_report.json` records; DataError naming the file when it is
+    not one that `xrec sid build` wrote (torn, edited, or another program's)."""
+    try:
+        report = json.loads(report_path.read_text())
+        return SidLayout(num_base_tokens=report["num_base_tokens"],
+                         codebook_size=report["codebook_size"])
+    except (ValueError, KeyError, TypeError) as e:   # bad JSON, a missing key, not an object
+        said = f"no key {e}" if isinstance(e, KeyError) else str(e)
+        raise DataError(f"{report_path}: not a report of `xrec sid build` ({said}); run it "
+                        f"again") from None
 
 
 def _check_items(sid_dir: Path, catalog: ItemCatalog, item_ids: Sequence[str]) -> np.ndarray:
