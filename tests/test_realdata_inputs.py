@@ -70,10 +70,11 @@ def test_demo_redoes_an_evaluation_killed_half_written(split, tmp_path, monkeypa
     ("lr", math.nan), ("lr", math.inf), ("weight_decay", math.nan), ("weight_decay", -1.0),
     ("seen_unlikelihood", math.nan), ("lookahead", math.nan), ("max_minutes", math.nan),
     ("max_minutes", -1.0), ("warmup_steps", -10), ("valid_users", -5), ("seed", -1),
-    ("label_smoothing", math.inf), ("dropout", math.nan)])
+    ("label_smoothing", math.inf), ("dropout", math.nan), ("valid_beam_width", 9)])
 def test_train_options_out_of_range_are_refused_before_training(field, value):
     """NaN passed the `< 0` checks and failed after a whole epoch on NaN weights (or, for
-    max_minutes, meant no limit); negative counts failed late or deep in numpy."""
+    max_minutes, meant no limit); negative counts failed late or deep in numpy. A validation
+    beam narrower than 10 ranked fewer than 10 items, so its "HR@10" was HR@W."""
     with pytest.raises(ValueError, match=rf"^{field}: got {value}"):
         TrainOptions(**{field: value}).check()
 

@@ -35,7 +35,7 @@ _HELP = {
     "ema": "decay of an exponential moving average of the weights, which validation reads "
            "and the written model holds (0: the trained weights; 0.999: ~1,000 steps)",
     "valid_users": "validation users (0: all)",
-    "valid_beam_width": "beam width of the validation search",
+    "valid_beam_width": "beam width of the validation search (at least 10: HR@10)",
     "patience": "epochs without a better validation HR@10 before stopping",
     "max_minutes": "stop after the epoch that passes this many minutes (0: no limit)",
     "seed": "random seed",

@@ -9,6 +9,7 @@ __all__ = ["FAMILIES", "FAMILY_DEFAULTS", "TrainOptions"]
 
 FAMILIES = ("qwen3", "onerec")
 TRAIN_DTYPES = ("auto", "float32", "bfloat16")
+MIN_VALID_BEAM_WIDTH = 10   # validation is HR@10 (as xrec eval's MIN_BEAM_WIDTH)
 # What an option left at None becomes (docs/decisions.md, Real data): the encoder-decoder
 # costs ~2.3x the decoder-only per epoch and learns more per step from smaller batches, at
 # half the rate it had until 2026-12-03 (all ML-1M validation users: HR@10 0.2166 at 5e-4
@@ -63,9 +64,12 @@ class TrainOptions:
         if self.family not in FAMILIES:
             raise ValueError(f"family: got {self.family!r}, allowed: {', '.join(FAMILIES)}")
         for name in ("hidden", "layers", "heads", "max_items", "epochs", "batch_size",
-                     "valid_beam_width", "patience"):
+                     "patience"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: got {getattr(self, name)}, expected >= 1")
+        if self.valid_beam_width < MIN_VALID_BEAM_WIDTH:   # a W-item ranking: HR@W as HR@10
+            raise ValueError(f"valid_beam_width: got {self.valid_beam_width}, expected >= "
+                             f"{MIN_VALID_BEAM_WIDTH} (validation HR@10 needs that many items)")
         for name in ("warmup_steps", "valid_users", "seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: got {getattr(self, name)}, expected >= 0")
