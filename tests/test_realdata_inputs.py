@@ -214,3 +214,17 @@ def test_a_damaged_sid_directory_is_named(split, tmp_path, damage, said):
         (sid / name).write_text(text)
     with pytest.raises(DataError, match=re.escape(said)):
         train(split, sid, tmp_path / "m", TrainOptions(epochs=1, **SMALL), progress=False)
+
+
+@pytest.mark.parametrize("threads", [0, -3, 5000])
+def test_train_refuses_a_thread_count_before_training(split, tmp_path, threads):
+    """`--threads 0` trained the first epoch on torch's count (0 read as none) and -3 on
+    whatever it set, then both failed in the validation engine's options (`num_threads`),
+    an epoch late: minutes on ML-1M."""
+    sid = tmp_path / "sid"
+    build_sid_dir(split, sid, embeddings="svd", codebook_size=8, dim=8)
+    with pytest.raises(ValueError, match=rf"^threads: got {threads}, expected an integer in "
+                                         r"\[1, 4096\]"):
+        train(split, sid, tmp_path / "m", TrainOptions(epochs=1, **SMALL), progress=False,
+              log=lambda *_: None, threads=threads)
+    assert not (tmp_path / "m.partial").exists()

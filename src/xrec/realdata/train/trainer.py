@@ -41,7 +41,8 @@ from xrec.realdata.sequences import SidVocabulary, causal_windows, seq2seq_windo
 
 __all__ = ["TrainOptions", "train"]
 
-_HEADS = "heads."   # the training-only weights' keys in optimizer.safetensors
+_HEADS = "heads."
+MAX_THREADS = 4096  # the serving engine's num_threads limit: validation runs through it   # the training-only weights' keys in optimizer.safetensors
 
 
 def train(split: Split, sid_dir: str | Path, out_dir: str | Path, options: TrainOptions,
@@ -51,6 +52,9 @@ def train(split: Split, sid_dir: str | Path, out_dir: str | Path, options: Train
     also written to `out_dir/train_report.json`. `threads`: torch's intra-op threads for
     training and validation (default: torch's; small models train faster on one)."""
     options.check()
+    if threads is not None and not 1 <= threads <= MAX_THREADS:   # 0 was torch's, until validation
+        raise ValueError(f"threads: got {threads}, expected an integer in [1, {MAX_THREADS}] "
+                         f"(or none: torch's count)")
     split.check_evaluated("`xrec train` chooses its epoch on their validation items (and "
                           "a --final model is measured on their test items)")
     out_dir = Path(out_dir)
