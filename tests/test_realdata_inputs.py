@@ -70,21 +70,27 @@ def test_demo_redoes_an_evaluation_killed_half_written(split, tmp_path, monkeypa
     ("lr", math.nan), ("lr", math.inf), ("weight_decay", math.nan), ("weight_decay", -1.0),
     ("seen_unlikelihood", math.nan), ("lookahead", math.nan), ("max_minutes", math.nan),
     ("max_minutes", -1.0), ("warmup_steps", -10), ("valid_users", -5), ("seed", -1),
+    ("seed", 10 ** 17),
     ("label_smoothing", math.inf), ("dropout", math.nan), ("valid_beam_width", 9)])
 def test_train_options_out_of_range_are_refused_before_training(field, value):
     """NaN passed the `< 0` checks and failed after a whole epoch on NaN weights (or, for
     max_minutes, meant no limit); negative counts failed late or deep in numpy. A validation
-    beam narrower than 10 ranked fewer than 10 items, so its "HR@10" was HR@W."""
+    beam narrower than 10 ranked fewer than 10 items, so its "HR@10" was HR@W; a seed of
+    10**17 overflowed torch.manual_seed ("Overflow when unpacking long long", naming
+    nothing)."""
     with pytest.raises(ValueError, match=rf"^{field}: got {value}"):
         TrainOptions(**{field: value}).check()
 
 
-def test_eval_refuses_a_negative_seed_at_once():
-    """It was refused by numpy when SASRec started, after every model had been ranked."""
+@pytest.mark.parametrize("seed", [-1, 2 ** 64 + 1])
+def test_eval_refuses_a_seed_out_of_range_at_once(seed):
+    """It was refused by numpy (-1) or torch (2**64 + 1: "Overflow when unpacking long
+    long") when SASRec started, after every model had been ranked."""
     from xrec.realdata.evaluate.run import EvalOptions
 
-    with pytest.raises(ValueError, match="^seed: got -1, expected >= 0"):
-        EvalOptions(seed=-1)
+    with pytest.raises(ValueError, match=rf"^seed: got {seed}, expected an integer in "
+                                         rf"\[0, {2 ** 32 - 1}\]"):
+        EvalOptions(seed=seed)
 
 
 def test_eval_refuses_two_models_of_one_name_before_ranking(split, tmp_path):

@@ -23,6 +23,7 @@ import numpy as np
 from xrec.realdata.data import Split
 from xrec.realdata.data.metrics import metrics_table, ranking_metrics, remove_seen
 from xrec.realdata.evaluate.agreement import agreement, agreement_table
+from xrec.realdata.train.options import check_seed
 
 __all__ = ["EvalOptions", "PUBLISHED", "evaluate"]
 
@@ -59,8 +60,9 @@ class EvalOptions:
     dtype: str = "float32"
 
     def __post_init__(self):
-        if self.seed < 0:   # numpy refused it only when SASRec started, after the ranking
-            raise ValueError(f"seed: got {self.seed}, expected >= 0")
+        # numpy (below 0) and torch (2**64 and above) refused it only when SASRec started,
+        # after the ranking
+        check_seed(self.seed)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: got {self.dtype!r}, allowed: {', '.join(DTYPES)}")
         if self.beam_width < MIN_BEAM_WIDTH:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["FAMILIES", "FAMILY_DEFAULTS", "TrainOptions"]
+__all__ = ["FAMILIES", "FAMILY_DEFAULTS", "MAX_SEED", "TrainOptions", "check_seed"]
 
 FAMILIES = ("qwen3", "onerec")
 TRAIN_DTYPES = ("auto", "float32", "bfloat16")
+MAX_SEED = 2 ** 32 - 1      # training seeds torch with seed * 1000 + epoch
 MIN_VALID_BEAM_WIDTH = 10   # validation is HR@10 (as xrec eval's MIN_BEAM_WIDTH)
 # What an option left at None becomes (docs/decisions.md, Real data): the encoder-decoder
 # costs ~2.3x the decoder-only per epoch and learns more per step from smaller batches, at
@@ -19,6 +20,13 @@ MIN_VALID_BEAM_WIDTH = 10   # validation is HR@10 (as xrec eval's MIN_BEAM_WIDTH
 # validation users (0.2583 vs 0.2588, 0.3129 vs 0.3073); the encoder-decoder's are an option.
 FAMILY_DEFAULTS = {"qwen3": {"epochs": 12, "batch_size": 32, "lr": 3e-3, "lookahead": 0.5},
                    "onerec": {"epochs": 5, "batch_size": 8, "lr": 5e-4, "lookahead": 0.0}}
+
+
+def check_seed(seed: int) -> None:
+    """A seed numpy and torch both take, epoch offsets included (`torch.manual_seed` refuses
+    2**64 and above with "Overflow when unpacking long long", naming nothing)."""
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed: got {seed}, expected an integer in [0, {MAX_SEED}]")
 
 
 def check_train_dtype(name: str) -> None:
@@ -70,9 +78,10 @@ class TrainOptions:
         if self.valid_beam_width < MIN_VALID_BEAM_WIDTH:   # a W-item ranking: HR@W as HR@10
             raise ValueError(f"valid_beam_width: got {self.valid_beam_width}, expected >= "
                              f"{MIN_VALID_BEAM_WIDTH} (validation HR@10 needs that many items)")
-        for name in ("warmup_steps", "valid_users", "seed"):
+        for name in ("warmup_steps", "valid_users"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: got {getattr(self, name)}, expected >= 0")
+        check_seed(self.seed)
         # [low, high): each a finite number (NaN passed `< 0` checks and failed after a whole
         # epoch, on NaN weights; max_minutes NaN meant no limit)
         ranges = {"dropout": (0, 1), "ema": (0, 1), "label_smoothing": (0, 1),
