@@ -234,3 +234,24 @@ def test_train_refuses_a_thread_count_before_training(split, tmp_path, threads):
         train(split, sid, tmp_path / "m", TrainOptions(epochs=1, **SMALL), progress=False,
               log=lambda *_: None, threads=threads)
     assert not (tmp_path / "m.partial").exists()
+
+
+def test_eval_refuses_a_final_fit_on_the_validation_stage(split, tmp_path):
+    """`xrec train --final` trains on the validation items: `xrec eval --stage valid`
+    measured it on its own training data (a validation HR@10 far above the early-stopped
+    model's, without a word); the test stage ranks it as before."""
+    sid = tmp_path / "sid"
+    build_sid_dir(split, sid, embeddings="svd", codebook_size=8, dim=8)
+    final = tmp_path / "final"
+    train(split, sid, final, TrainOptions(epochs=1, final=True, **SMALL), progress=False,
+          log=lambda *_: None, threads=1)
+    with pytest.raises(ValueError, match=r"is a final fit \(xrec train --final\), trained on "
+                                         r"every validation item: only --stage test"):
+        eval_run.evaluate(split, [final], tmp_path / "eval",
+                          eval_run.EvalOptions(stage="valid", baselines=()), progress=False,
+                          log=lambda *_: None)
+    assert not (tmp_path / "eval").exists()
+    report = eval_run.evaluate(split, [final], tmp_path / "eval",
+                               eval_run.EvalOptions(beam_width=16, baselines=()),
+                               progress=False, log=lambda *_: None)
+    assert report["users"] == (split.test >= 0).sum()

@@ -86,6 +86,8 @@ def evaluate(split: Split, model_dirs: list[Path], out_dir: Path, options: EvalO
     """Ranks `options.stage` for every user with a target; returns and writes the report."""
     split.check_evaluated("`xrec eval` ranks for them alone")
     _check_distinct_names(model_dirs)
+    if options.stage == "valid":
+        _check_no_final_fit(model_dirs)
     out_dir.mkdir(parents=True, exist_ok=True)
     users = np.flatnonzero(split.targets(options.stage) >= 0)
     targets = split.targets(options.stage)[users]
@@ -153,6 +155,16 @@ def _check_distinct_names(model_dirs: list[Path]) -> None:
             raise ValueError(f"--model {seen[name]} and {model_dir}: both would be the row "
                              f"{name!r}; give the directories distinct names")
         seen[name] = model_dir
+
+
+def _check_no_final_fit(model_dirs: list[Path]) -> None:
+    """A final fit (`xrec train --final`) trained on the validation items: ranked on the
+    validation stage it is measured on its own training data."""
+    for model_dir in model_dirs:
+        path = Path(model_dir) / "train_report.json"
+        if path.is_file() and json.loads(path.read_text())["options"].get("final"):
+            raise ValueError(f"--model {model_dir} is a final fit (xrec train --final), trained "
+                             f"on every validation item: only --stage test measures it")
 
 
 def _model_name(model_dir: Path) -> str:
