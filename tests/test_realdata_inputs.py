@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import xrec.realdata.data  # noqa: E402
 from test_train import SMALL, walk_interactions  # noqa: E402
-from xrec.realdata.data import leave_one_out  # noqa: E402
+from xrec.realdata.data import DataError, leave_one_out  # noqa: E402
+from xrec.realdata.data.sources import read_interactions  # noqa: E402
 from xrec.realdata.evaluate import run as eval_run  # noqa: E402
 from xrec.realdata.movielens import run_demo  # noqa: E402
 from xrec.realdata.sid.build import build_sid_dir  # noqa: E402
@@ -209,8 +210,6 @@ def test_a_damaged_sid_directory_is_named(split, tmp_path, damage, said):
     """A sid directory without its tokenizer_config.json (so without a catalog) failed with
     AttributeError on None, a sid_report.json without its keys with a bare KeyError, a torn
     one with a JSON error that named no file."""
-    from xrec.realdata.data import DataError
-
     sid = tmp_path / "sid"
     build_sid_dir(split, sid, embeddings="svd", codebook_size=8, dim=8)
     name, text = damage
@@ -255,3 +254,25 @@ def test_eval_refuses_a_final_fit_on_the_validation_stage(split, tmp_path):
                                eval_run.EvalOptions(beam_width=16, baselines=()),
                                progress=False, log=lambda *_: None)
     assert report["users"] == (split.test >= 0).sum()
+
+
+def test_onerec_refuses_data_with_one_training_item_per_user(tmp_path):
+    """Every user has exactly 3 interactions, so 1 training item: the encoder-decoder,
+    whose first target is a user's second item, had no training window; every epoch ran no
+    step (loss 0.0000) and the untrained model was written as trained. The decoder-only
+    family learns from one item, and a final fit has two."""
+    rows = [f"u{u},i{(u * 7 + step) % 15},{step}" for u in range(40) for step in range(3)]
+    data = leave_one_out(read_interactions("user_id,item_id,timestamp\n" + "\n".join(rows),
+                                           "three", "three.csv"))
+    sid = tmp_path / "sid"
+    build_sid_dir(data, sid, embeddings="svd", codebook_size=8, dim=4)
+    with pytest.raises(DataError, match=r"nothing to train on: the encoder-decoder \(onerec\) "
+                                        r"learns every training item but a user's first"):
+        train(data, sid, tmp_path / "onerec", TrainOptions(family="onerec", epochs=1, **SMALL),
+              progress=False, log=lambda *_: None, threads=1)
+    assert not (tmp_path / "onerec.partial").exists()
+    for family, final in (("qwen3", False), ("onerec", True)):
+        report = train(data, sid, tmp_path / f"{family}-{final}",
+                       TrainOptions(family=family, epochs=1, final=final, **SMALL),
+                       progress=False, log=lambda *_: None, threads=1)
+        assert report["history"][0]["loss"] > 0

@@ -42,6 +42,12 @@ from xrec.realdata.sequences import SidVocabulary, causal_windows, seq2seq_windo
 __all__ = ["TrainOptions", "train"]
 
 _HEADS = "heads."
+_NO_EXAMPLES = {   # by is_encoder_decoder
+    False: "nothing to train on: no user has a training item",
+    True: "nothing to train on: the encoder-decoder ({family}) learns every training item but "
+          "a user's first, and no user has 2 (the split keeps each user's last 2 interactions "
+          "for validation and test); --family qwen3 learns from one, --final trains on the "
+          "validation item too"}
 MAX_THREADS = 4096  # the serving engine's num_threads limit: validation runs through it   # the training-only weights' keys in optimizer.safetensors
 
 
@@ -103,7 +109,10 @@ class _Run:
         if options.valid_users and len(users) > options.valid_users:
             users = np.sort(rng.choice(users, options.valid_users, replace=False))
         self.valid_users = users
-        self.steps_per_epoch = math.ceil(len(self.examples(0)) / options.batch_size)
+        num_examples = len(self.examples(0))
+        if not num_examples:   # else every epoch ran no step and wrote the untrained model
+            raise DataError(_NO_EXAMPLES[config.is_encoder_decoder].format(family=options.family))
+        self.steps_per_epoch = math.ceil(num_examples / options.batch_size)
 
     # ---- the data of an epoch ------------------------------------------------------------
     def examples(self, epoch: int) -> list:
