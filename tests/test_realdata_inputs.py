@@ -72,13 +72,16 @@ def test_demo_redoes_an_evaluation_killed_half_written(split, tmp_path, monkeypa
     ("seen_unlikelihood", math.nan), ("lookahead", math.nan), ("max_minutes", math.nan),
     ("max_minutes", -1.0), ("warmup_steps", -10), ("valid_users", -5), ("seed", -1),
     ("seed", 10 ** 17),
-    ("label_smoothing", math.inf), ("dropout", math.nan), ("valid_beam_width", 9)])
+    ("label_smoothing", math.inf), ("dropout", math.nan), ("valid_beam_width", 9),
+    ("valid_beam_width", 513), ("max_items", 1366)])
 def test_train_options_out_of_range_are_refused_before_training(field, value):
     """NaN passed the `< 0` checks and failed after a whole epoch on NaN weights (or, for
     max_minutes, meant no limit); negative counts failed late or deep in numpy. A validation
     beam narrower than 10 ranked fewer than 10 items, so its "HR@10" was HR@W; a seed of
     10**17 overflowed torch.manual_seed ("Overflow when unpacking long long", naming
-    nothing)."""
+    nothing). Validation runs through the serving engine, whose limits (beam width 512,
+    4,096 prompt tokens: 1,365 items) refused a wider beam or a longer prompt after the
+    first epoch (an hour on ML-1M with --max-items 2000)."""
     with pytest.raises(ValueError, match=rf"^{field}: got {value}"):
         TrainOptions(**{field: value}).check()
 

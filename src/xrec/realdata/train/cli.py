@@ -20,7 +20,9 @@ _HELP = {
     "family": "qwen3: decoder-only; onerec: encoder-decoder with a causal encoder "
               "(both train every item of a history window in one pass)",
     "hidden": "model width", "layers": "layers (onerec: encoder and decoder each)",
-    "heads": "attention heads", "max_items": "history items in a prompt (3 tokens each)",
+    "heads": "attention heads",
+    "max_items": "history items in a prompt (3 tokens each; at most 1365, the engine's 4096 "
+                 "input tokens)",
     "epochs": "most epochs", "batch_size": "sequences per step", "lr": "peak learning rate",
     "weight_decay": "AdamW weight decay", "warmup_steps": "linear warm-up steps",
     "dropout": "dropout on the embeddings and each attention and feed-forward output "
@@ -35,7 +37,7 @@ _HELP = {
     "ema": "decay of an exponential moving average of the weights, which validation reads "
            "and the written model holds (0: the trained weights; 0.999: ~1,000 steps)",
     "valid_users": "validation users (0: all)",
-    "valid_beam_width": "beam width of the validation search (at least 10: HR@10)",
+    "valid_beam_width": "beam width of the validation search (10 to 512)",
     "patience": "epochs without a better validation HR@10 before stopping",
     "max_minutes": "stop after the epoch that passes this many minutes (0: no limit)",
     "seed": "random seed",

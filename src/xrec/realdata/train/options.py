@@ -5,12 +5,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from xrec.config.engine import EngineOptions
+
 __all__ = ["FAMILIES", "FAMILY_DEFAULTS", "MAX_SEED", "TrainOptions", "check_seed"]
 
 FAMILIES = ("qwen3", "onerec")
 TRAIN_DTYPES = ("auto", "float32", "bfloat16")
 MAX_SEED = 2 ** 32 - 1      # training seeds torch with seed * 1000 + epoch
 MIN_VALID_BEAM_WIDTH = 10   # validation is HR@10 (as xrec eval's MIN_BEAM_WIDTH)
+MAX_PROMPT_ITEMS = (EngineOptions.max_input_len - 1) // 3   # BOS + 3 tokens per item
 # What an option left at None becomes (docs/decisions.md, Real data): the encoder-decoder
 # costs ~2.3x the decoder-only per epoch and learns more per step from smaller batches, at
 # half the rate it had until 2026-12-03 (all ML-1M validation users: HR@10 0.2166 at 5e-4
@@ -75,9 +78,15 @@ class TrainOptions:
                      "patience"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: got {getattr(self, name)}, expected >= 1")
-        if self.valid_beam_width < MIN_VALID_BEAM_WIDTH:   # a W-item ranking: HR@W as HR@10
-            raise ValueError(f"valid_beam_width: got {self.valid_beam_width}, expected >= "
-                             f"{MIN_VALID_BEAM_WIDTH} (validation HR@10 needs that many items)")
+        # validation runs through the serving engine: beyond its limits it failed an epoch late
+        if self.max_items > MAX_PROMPT_ITEMS:
+            raise ValueError(f"max_items: got {self.max_items}, expected at most "
+                             f"{MAX_PROMPT_ITEMS} (a prompt of 1 + 3 x max_items tokens must fit "
+                             f"the engine's max_input_len {EngineOptions.max_input_len})")
+        if not MIN_VALID_BEAM_WIDTH <= self.valid_beam_width <= EngineOptions.max_beam_width:
+            raise ValueError(f"valid_beam_width: got {self.valid_beam_width}, expected "
+                             f"{MIN_VALID_BEAM_WIDTH} (validation HR@10 needs that many items) "
+                             f"to {EngineOptions.max_beam_width} (the engine's max_beam_width)")
         for name in ("warmup_steps", "valid_users"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: got {getattr(self, name)}, expected >= 0")
