@@ -86,6 +86,17 @@ def test_train_options_out_of_range_are_refused_before_training(field, value):
         TrainOptions(**{field: value}).check()
 
 
+@pytest.mark.parametrize("width", [513, 10 ** 9])
+def test_eval_refuses_a_beam_wider_than_the_engine_takes(width):
+    """513 was refused by the engine at the first request; 10**9 allocated a [users, W]
+    ranking before that (298 GiB for 40 users: numpy's _ArrayMemoryError traceback)."""
+    from xrec.realdata.evaluate.run import EvalOptions
+
+    with pytest.raises(ValueError, match=rf"^beam_width: got {width}, expected at most 512 "
+                                         r"\(the engine's max_beam_width\)"):
+        EvalOptions(beam_width=width)
+
+
 @pytest.mark.parametrize("seed", [-1, 2 ** 64 + 1])
 def test_eval_refuses_a_seed_out_of_range_at_once(seed):
     """It was refused by numpy (-1) or torch (2**64 + 1: "Overflow when unpacking long

@@ -29,7 +29,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     ev.add_argument("--stage", choices=("test", "valid"), default=defaults.stage)
     ev.add_argument("--beam-width", type=int, default=defaults.beam_width,
                     help=f"beam width = results per user (default {defaults.beam_width}; at "
-                         f"least 10; below 50 the @50 metrics are over at most W items)")
+                         f"least 10, at most 512; below 50 the @50 metrics are over at most W "
+                         f"items)")
     ev.add_argument("--exclude-seen", action="store_true",
                     help="also rank each model with the user's history excluded inside the "
                          "search: a row '<model>, seen excluded in search' beside "

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from xrec.config.engine import EngineOptions
 from xrec.realdata.data import Split
 from xrec.realdata.data.metrics import metrics_table, ranking_metrics, remove_seen
 from xrec.realdata.evaluate.agreement import agreement, agreement_table
@@ -68,6 +69,9 @@ class EvalOptions:
         if self.beam_width < MIN_BEAM_WIDTH:
             raise ValueError(f"beam_width: got {self.beam_width}, expected >= {MIN_BEAM_WIDTH} "
                              f"(HR@{MIN_BEAM_WIDTH} needs that many items)")
+        if self.beam_width > EngineOptions.max_beam_width:   # 10**9 allocated [users, W] first
+            raise ValueError(f"beam_width: got {self.beam_width}, expected at most "
+                             f"{EngineOptions.max_beam_width} (the engine's max_beam_width)")
         if self.stage not in ("valid", "test"):
             raise ValueError(f"stage: got {self.stage!r}, expected 'valid' or 'test'")
         if self.normalize not in ("allowed", "full"):
