@@ -290,3 +290,18 @@ def test_onerec_refuses_data_with_one_training_item_per_user(tmp_path):
                        TrainOptions(family=family, epochs=1, final=final, **SMALL),
                        progress=False, log=lambda *_: None, threads=1)
         assert report["history"][0]["loss"] > 0
+
+
+def test_eval_refuses_a_sasrec_baseline_it_cannot_train_before_ranking(tmp_path):
+    """Every user has exactly 3 interactions (1 training item): SASRec has no training
+    target, which train_sasrec said only after every model and the other baselines had been
+    ranked (on ML-1M-sized data, minutes lost)."""
+    rows = [f"u{u},i{(u * 7 + step) % 15},{step}" for u in range(40) for step in range(3)]
+    split = leave_one_out(read_interactions("user_id,item_id,timestamp\n" + "\n".join(rows),
+                                            "three", "three.csv"))
+    with pytest.raises(DataError, match="SASRec: no user has 2 or more training interactions "
+                                        r".* --baselines most-popular,item-knn"):
+        eval_run.evaluate(split, [], tmp_path / "eval",
+                          eval_run.EvalOptions(baselines=("most-popular", "sasrec")),
+                          progress=False, log=lambda *_: None)
+    assert not (tmp_path / "eval").exists()

@@ -92,6 +92,9 @@ def evaluate(split: Split, model_dirs: list[Path], out_dir: Path, options: EvalO
     _check_distinct_names(model_dirs)
     if options.stage == "valid":
         _check_no_final_fit(model_dirs)
+    if "sasrec" in options.baselines:   # else refused after every model had been ranked
+        from xrec.realdata.train.sasrec import check_trainable
+        check_trainable(split)
     out_dir.mkdir(parents=True, exist_ok=True)
     users = np.flatnonzero(split.targets(options.stage) >= 0)
     targets = split.targets(options.stage)[users]

@@ -41,7 +41,8 @@ from tqdm import tqdm
 from xrec.engine.threads import FollowFreeCores, threads_in_this_thread, training_threads
 from xrec.realdata.data.interactions import DataError, Split
 
-__all__ = ["EpochLog", "SASRecConfig", "SASRecModel", "rank_sasrec", "train_sasrec"]
+__all__ = ["EpochLog", "SASRecConfig", "SASRecModel", "check_trainable", "rank_sasrec",
+           "train_sasrec"]
 
 L2_EPS = 1e-6
 LOSS_CHUNK = 2048   # positions per chunk of the softmax cross-entropy ([2048, N] fp32 buffer)
@@ -308,6 +309,18 @@ def _hr_ndcg(ranked: np.ndarray, targets: np.ndarray) -> tuple[float, float]:
     return float(hits.any(1).mean()), float(gains.sum(1).mean())
 
 
+def check_trainable(split: Split) -> None:
+    """DataError unless SASRec can train on `split` and stop early: a user with a test item,
+    and one with 2 training items (its first target is a sequence's second item)."""
+    split.check_evaluated("SASRec stops early on their validation items (semantic IDs of "
+                          "such data: --embeddings svd)")
+    if not any(len(s) >= 2 for s in split.train):
+        raise DataError("SASRec: no user has 2 or more training interactions (its first "
+                        "target is a sequence's second item): leave it out of xrec eval "
+                        "with --baselines most-popular,item-knn; semantic IDs of such data: "
+                        "--embeddings svd")
+
+
 def train_sasrec(split: Split, config: SASRecConfig, progress: bool = True,
                  valid_every: int = 1) -> SASRecModel:
     """Train on each user's training sequence (next-item CE at every position), validate
@@ -316,11 +329,8 @@ def train_sasrec(split: Split, config: SASRecConfig, progress: bool = True,
     `epoch_logs` filled)."""
     if valid_every < 1:
         raise ValueError(f"valid_every: got {valid_every}, expected >= 1")
-    split.check_evaluated("SASRec stops early on their validation items (semantic IDs of "
-                          "such data: --embeddings svd)")
+    check_trainable(split)
     seqs = [s for s in split.train if len(s) >= 2]
-    if not seqs:
-        raise DataError("SASRec: no user has 2 or more training interactions")
     with training_threads(config.num_threads) as cores:
         return _train(split, seqs, config, progress, valid_every, cores)
 
