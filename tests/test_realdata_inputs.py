@@ -305,3 +305,20 @@ def test_eval_refuses_a_sasrec_baseline_it_cannot_train_before_ranking(tmp_path)
                           eval_run.EvalOptions(baselines=("most-popular", "sasrec")),
                           progress=False, log=lambda *_: None)
     assert not (tmp_path / "eval").exists()
+
+
+@pytest.mark.parametrize("users", [0, -1, 10 ** 6])
+def test_demo_refuses_a_count_of_users_to_show_before_its_stages(split, tmp_path, monkeypatch,
+                                                                 users):
+    """`--users 0` ran every stage, then failed on users[0] with an IndexError traceback;
+    -1 and more than the test users failed in numpy's sampling (a message naming nothing)."""
+    monkeypatch.setenv("XREC_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(xrec.realdata.data, "load_dataset", lambda name: split.data)
+    run = tmp_path / "home" / "runs" / "ml-100k"
+    build_sid_dir(split, run / "sid", embeddings="svd", codebook_size=8, dim=8)
+    _tiny_model(split, run / "sid", run / "qwen3")     # the cached stages
+    args = argparse.Namespace(dataset="ml-100k", families="qwen3", baselines="most-popular",
+                              users=users, redo_eval=False, no_progress=True)
+    with pytest.raises(ValueError, match=rf"^--users: got {users}, expected 1 to 150 "):
+        run_demo(args)
+    assert not (run / "eval").exists()

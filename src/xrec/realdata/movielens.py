@@ -65,6 +65,10 @@ def run_demo(args: argparse.Namespace) -> int:
     split = leave_one_out(load_dataset(args.dataset))
     print(f"[data] {args.dataset}: {len(split.data):,} interactions, {split.data.num_users:,} "
           f"users, {split.data.num_items:,} items ({time.perf_counter() - started:.1f} s)")
+    num_test_users = int((split.test >= 0).sum())
+    if not 1 <= args.users <= num_test_users:   # else numpy's error or an IndexError, at the end
+        raise ValueError(f"--users: got {args.users}, expected 1 to {num_test_users:,} (the "
+                         f"test users shown at the end)")
     stage("sid", (run / "sid").exists(),
           lambda: print(_summary(build_sid_dir(split, run / "sid", progress=progress,
                                                sasrec_cache=run / "sasrec"))))
