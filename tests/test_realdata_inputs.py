@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import re
 import shutil
@@ -322,3 +323,41 @@ def test_demo_refuses_a_count_of_users_to_show_before_its_stages(split, tmp_path
     with pytest.raises(ValueError, match=rf"^--users: got {users}, expected 1 to 150 "):
         run_demo(args)
     assert not (run / "eval").exists()
+
+
+@pytest.mark.parametrize("families, baselines, said", [
+    ("qwen4", "most-popular", "--families: got 'qwen4', expected a comma-separated list"),
+    (",", "most-popular", "--families: got ',', expected a comma-separated list"),
+    ("qwen3", "most-popular,nope", "baselines: unknown ['nope']")])
+def test_demo_refuses_a_family_or_baseline_before_its_stages(split, tmp_path, monkeypatch,
+                                                             capsys, families, baselines, said):
+    """A family's typo failed at its training stage, a baseline's at the evaluation (after
+    the semantic IDs and every model: an hour on ML-1M); no family at all (",") ended in an
+    IndexError traceback after the evaluation."""
+    monkeypatch.setenv("XREC_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(xrec.realdata.data, "load_dataset", lambda name: split.data)
+    run = tmp_path / "home" / "runs" / "ml-100k"
+    build_sid_dir(split, run / "sid", embeddings="svd", codebook_size=8, dim=8)
+    _tiny_model(split, run / "sid", run / "qwen3")     # the cached stages
+    args = argparse.Namespace(dataset="ml-100k", families=families, baselines=baselines,
+                              users=1, redo_eval=False, no_progress=True)
+    with pytest.raises(ValueError, match=re.escape(said)):
+        run_demo(args)
+    assert "[sid]" not in capsys.readouterr().out
+
+
+def test_demo_reads_baselines_as_eval_does(split, tmp_path, monkeypatch, capsys):
+    """`--baselines "most-popular, item-knn"` (a space after the comma, as `xrec eval`
+    takes it) was the unknown baseline ' item-knn' at the evaluation stage; a family named
+    twice trained once and was then two models of one name."""
+    monkeypatch.setenv("XREC_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(xrec.realdata.data, "load_dataset", lambda name: split.data)
+    run = tmp_path / "home" / "runs" / "ml-100k"
+    build_sid_dir(split, run / "sid", embeddings="svd", codebook_size=8, dim=8)
+    _tiny_model(split, run / "sid", run / "qwen3")
+    args = argparse.Namespace(dataset="ml-100k", families="qwen3, qwen3",
+                              baselines="most-popular, item-knn", users=1, redo_eval=False,
+                              no_progress=True)
+    assert run_demo(args) == 0
+    report = json.loads((run / "eval" / "eval.json").read_text())
+    assert {"most-popular", "item-knn", "xrec qwen3 (qwen3)"} <= set(report["metrics"])

@@ -42,13 +42,21 @@ def run_demo(args: argparse.Namespace) -> int:
     from xrec.realdata.evaluate.run import EvalOptions, evaluate
     from xrec.realdata.sid.build import build_sid_dir
     from xrec.realdata.train.cli import run_dir
-    from xrec.realdata.train.options import TrainOptions
+    from xrec.realdata.train.options import FAMILIES, TrainOptions
     from xrec.realdata.train.trainer import train
     from xrec.utils.files import atomic_directory
 
     progress = not args.no_progress
-    families = [f.strip() for f in args.families.split(",") if f.strip()]
     run = run_dir(args.dataset)
+    # the options of every stage, checked before the first: a typo failed after the stages
+    # before it (an hour on ML-1M for a baseline's name)
+    families = list(dict.fromkeys(f.strip() for f in args.families.split(",") if f.strip()))
+    if not families or not set(families) <= set(FAMILIES):
+        raise ValueError(f"--families: got {args.families!r}, expected a comma-separated list "
+                         f"of {', '.join(FAMILIES)}")
+    baselines = () if args.baselines == "none" else tuple(
+        b.strip() for b in args.baselines.split(",") if b.strip())
+    eval_options = EvalOptions(baselines=baselines, sasrec_cache=str(run / "sasrec"))
     times: dict[str, float] = {}
 
     def stage(name: str, done: bool, work) -> None:
@@ -76,14 +84,11 @@ def run_demo(args: argparse.Namespace) -> int:
         stage(f"train {family}", (run / family).exists(),
               lambda: train(split, run / "sid", run / family, TrainOptions(family=family),
                             progress=progress))
-    baselines = () if args.baselines == "none" else tuple(args.baselines.split(","))
     models = [run / f for f in families]
 
     def evaluate_whole() -> None:   # written beside, renamed into place: never torn
         with atomic_directory(run / "eval", replace=True) as tmp:
-            evaluate(split, models, tmp,
-                     EvalOptions(baselines=baselines, sasrec_cache=str(run / "sasrec")),
-                     progress=progress)
+            evaluate(split, models, tmp, eval_options, progress=progress)
 
     stage("eval", (run / "eval").exists() and not args.redo_eval, evaluate_whole)
     print((run / "eval" / "eval.md").read_text())
