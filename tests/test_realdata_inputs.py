@@ -361,3 +361,25 @@ def test_demo_reads_baselines_as_eval_does(split, tmp_path, monkeypatch, capsys)
     assert run_demo(args) == 0
     report = json.loads((run / "eval" / "eval.json").read_text())
     assert {"most-popular", "item-knn", "xrec qwen3 (qwen3)"} <= set(report["metrics"])
+
+
+def test_train_with_a_model_directory_as_sid_writes_its_own_model(split, tmp_path):
+    """A trained model's directory carries the semantic-ID files, so it can be --sid; every
+    file of it was copied over the new model's, its config.json and model.safetensors
+    included: an encoder-decoder trained this way was written, validated and served as the
+    other, decoder-only model."""
+    from safetensors.torch import load_file
+
+    from xrec.realdata.sequences import SID_FILES
+
+    sid = tmp_path / "sid"
+    build_sid_dir(split, sid, embeddings="svd", codebook_size=8, dim=8)
+    assert sorted(f.name for f in sid.iterdir()) == sorted(SID_FILES)
+    first = _tiny_model(split, sid, tmp_path / "qwen3")
+    second = tmp_path / "onerec"
+    train(split, first, second, TrainOptions(family="onerec", epochs=1, **SMALL),
+          progress=False, log=lambda *_: None, threads=1)
+    assert json.loads((second / "config.json").read_text()).get("model_type") != "qwen3"
+    assert load_file(str(second / "model.safetensors")).keys() != \
+        load_file(str(first / "model.safetensors")).keys()
+    assert all((second / name).read_bytes() == (sid / name).read_bytes() for name in SID_FILES)

@@ -20,8 +20,13 @@ from xrec.catalog import ItemCatalog
 from xrec.realdata.data import DataError
 from xrec.catalog.sid_vocab import SidLayout
 
-__all__ = ["IGNORE", "SidVocabulary", "causal_windows", "collate", "prompts", "seq2seq_windows"]
+__all__ = ["IGNORE", "SID_FILES", "SidVocabulary", "causal_windows", "collate", "prompts",
+           "seq2seq_windows"]
 
+# what `xrec sid build` writes (sid/build.py, write_sid_dir): all a trained model directory
+# takes from a sid directory, which may itself be a model directory, with weights of its own
+SID_FILES = ("tokenizer.json", "tokenizer_config.json", "items.bin", "items.txt", "sids.tsv",
+             "sid_report.json")
 IGNORE = -100              # label of a position without a loss (torch's cross_entropy default)
 BOS_TOKEN = "<|endoftext|>"
 

@@ -37,7 +37,7 @@ from xrec.realdata.train.average import WeightAverage
 from xrec.realdata.train.models import TrainableModel, batches, model_config
 from xrec.realdata.train.options import TrainOptions
 from xrec.realdata.train.precision import compile_settings, resolve_train_dtype
-from xrec.realdata.sequences import SidVocabulary, causal_windows, seq2seq_windows
+from xrec.realdata.sequences import SID_FILES, SidVocabulary, causal_windows, seq2seq_windows
 
 __all__ = ["TrainOptions", "train"]
 
@@ -208,9 +208,9 @@ class _Run:
         else:
             with self.average.in_place():
                 self.model.save(model_dir)
-        for f in self.vocab.directory.iterdir():
-            if f.is_file():
-                shutil.copy2(f, model_dir / f.name)
+        for name in SID_FILES:   # not every file: a model directory as --sid has weights
+            if (self.vocab.directory / name).is_file():
+                shutil.copy2(self.vocab.directory / name, model_dir / name)
         from xrec.realdata.ranking import PROMPT_FILE
         (model_dir / PROMPT_FILE).write_text(json.dumps(
             {"max_items": self.options.max_items, "format": "bos + 3 tokens per item"}) + "\n")
