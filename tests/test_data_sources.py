@@ -208,6 +208,12 @@ def test_missing_column(tmp_path):
     ('user_id,item_id,timestamp\nu,"i,1\nu,i\n', "line"),
     ("user_id,item_id,timestamp\nu,i,1\n,i,2\n", "line 3: empty user_id"),   # merged into one user
     ("user_id,item_id,timestamp\nu,i,1\n\nu,  ,2\n", "line 4: empty item_id"),
+    # the first was read: a joined table's second timestamp, or RecBole's item_id:token
+    # beside an item_id:float, silently ignored
+    ("user_id,item_id,timestamp,timestamp\nu,i,1,2020\n",
+     r"header names timestamp 2 times \(fields 3, 4\): which one to read is ambiguous"),
+    ("user_id:token\titem_id:token\titem_id:float\ttimestamp\nu\ti\t1\t1\n",
+     r"header names item_id 2 times \(fields 2, 3\)"),
 ])
 def test_bad_files(tmp_path, text, match):
     path = tmp_path / "log.csv"

@@ -9,7 +9,7 @@ is an interaction (no rating threshold, no k-core filter).
 `load_dataset(path)` reads a user's file:
 
 - text (UTF-8, else Latin-1), one interaction per line, LF or CRLF line endings;
-- a header line naming at least `user_id`, `item_id` and `timestamp`, in any order; names
+- a header line naming `user_id`, `item_id` and `timestamp` once each, in any order; names
   may carry RecBole's type suffix (`user_id:token`, `timestamp:float`) and other columns
   are ignored, so RecBole's `.inter` files are read as they are;
 - fields separated by tabs when the header holds a tab, else by commas; comma files may
@@ -86,6 +86,12 @@ def read_interactions(text: str, name: str, where: str) -> Interactions:
     if missing:
         raise DataError(f"{where}: missing column(s) {', '.join(missing)}; the header has "
                         f"{', '.join(names)}; required: {', '.join(REQUIRED_COLUMNS)}")
+    twice = next((c for c in REQUIRED_COLUMNS if names.count(c) > 1), None)
+    if twice is not None:   # the first one was read, the others ignored without a word
+        fields = [str(i + 1) for i, name in enumerate(names) if name == twice]
+        raise DataError(f"{where}: the header names {twice} {len(fields)} times (fields "
+                        f"{', '.join(fields)}): which one to read is ambiguous; rename or drop "
+                        f"the others")
     user_ids, users = _factorize(_ids(columns[names.index("user_id")], line_numbers, where,
                                       "user_id"))
     item_ids, items = _factorize(_ids(columns[names.index("item_id")], line_numbers, where,
