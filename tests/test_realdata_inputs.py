@@ -383,3 +383,23 @@ def test_train_with_a_model_directory_as_sid_writes_its_own_model(split, tmp_pat
     assert load_file(str(second / "model.safetensors")).keys() != \
         load_file(str(first / "model.safetensors")).keys()
     assert all((second / name).read_bytes() == (sid / name).read_bytes() for name in SID_FILES)
+
+
+def test_eval_notes_say_which_models_trained_on_the_validation_item(split, tmp_path):
+    """With SASRec's refit, eval.md said "the generative models trained without the
+    validation item" of every model, a final fit (xrec train --final) too."""
+    sid = tmp_path / "sid"
+    build_sid_dir(split, sid, embeddings="svd", codebook_size=8, dim=8)
+    plain = _tiny_model(split, sid, tmp_path / "plain")
+    final = tmp_path / "final"
+    train(split, sid, final, TrainOptions(epochs=1, final=True, **SMALL), progress=False,
+          log=lambda *_: None, threads=1)
+    report = eval_run.evaluate(split, [plain, final], tmp_path / "eval",
+                               eval_run.EvalOptions(beam_width=50, baselines=("sasrec",),
+                                                    sasrec_minutes=0.05),
+                               progress=False, log=lambda *_: None)
+    (note,) = [n for n in report["notes"] if n.startswith("sasrec: early stopping")]
+    assert note.endswith("so did xrec qwen3 (final) (xrec train --final); the other "
+                         "generative models trained without the validation item"), note
+    assert report["training"]["xrec qwen3 (final)"]["final_fit"] is True
+    assert note in (tmp_path / "eval" / "eval.md").read_text()

@@ -147,7 +147,8 @@ def evaluate(split: Split, model_dirs: list[Path], out_dir: Path, options: EvalO
               "seconds": {n: round(t, 2) for n, t in timings.items()},
               "published": PUBLISHED.get(split.data.name, {}),
               "models": {_model_name(d): str(d) for d in model_dirs},
-              "notes": _notes(options, bool(model_dirs), training.get("sasrec", {}))}
+              "notes": _notes(options, bool(model_dirs), training.get("sasrec", {}),
+                              {_model_name(d): training[_model_name(d)] for d in model_dirs})}
     _write(out_dir, report, split, users, targets, rankings, model_dirs)
     return report
 
@@ -180,8 +181,10 @@ def _model_name(model_dir: Path) -> str:
     return f"{family} ({Path(model_dir).name})"
 
 
-def _notes(options: EvalOptions, has_models: bool, sasrec_facts: dict) -> list[str]:
-    """What a reader must know to compare the rows."""
+def _notes(options: EvalOptions, has_models: bool, sasrec_facts: dict,
+           model_facts: dict[str, dict] | None = None) -> list[str]:
+    """What a reader must know to compare the rows; `model_facts`: each generative model's
+    `_trained_model_facts` (a final fit trained on the validation items too)."""
     notes = []
     reused = [what for what, key in (("early-stopped", "reused"), ("final fit", "refit_reused"))
               if sasrec_facts.get(key)]
@@ -192,14 +195,26 @@ def _notes(options: EvalOptions, has_models: bool, sasrec_facts: dict) -> list[s
     if "sasrec" in options.baselines and options.stage == "test" and options.sasrec_refit:
         notes.append("sasrec: early stopping on validation chose its epoch count; the model "
                      "ranked here then trained that many epochs on every item but the test "
-                     "one (the published protocol's training data); the generative models "
-                     "trained without the validation item")
+                     f"one (the published protocol's training data); "
+                     f"{_generative_training(model_facts or {})}")
     if has_models and options.beam_width < max(KS):
         notes.append(f"beam width {options.beam_width} < {max(KS)}: a generative model's "
                      f"ranking holds at most {options.beam_width} items, so its @{max(KS)} "
                      f"metrics are over at most {options.beam_width} items and not comparable "
                      f"with the baselines' or the published ones")
     return notes
+
+
+def _generative_training(model_facts: dict[str, dict]) -> str:
+    """Whether the generative models saw the validation item in training, for the notes
+    (it was said of every model, a final fit's too)."""
+    final = [name for name, facts in model_facts.items() if facts.get("final_fit")]
+    if not final:
+        return "the generative models trained without the validation item"
+    said = f"so did {', '.join(final)} (xrec train --final)"
+    if len(final) < len(model_facts):
+        said += "; the other generative models trained without the validation item"
+    return said
 
 
 def _pad(ranked: np.ndarray, k: int) -> np.ndarray:
@@ -249,6 +264,7 @@ def _trained_model_facts(model_dir: Path) -> dict:
         return {}
     report = json.loads(path.read_text())
     return {"epochs": report["epochs_run"], "best_epoch": report["best"]["epoch"],
+            "final_fit": bool(report["options"].get("final")),
             "parameters": report["parameters"],
             "train_seconds": round(60 * report["train_minutes"], 1)}
 
