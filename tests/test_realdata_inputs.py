@@ -403,3 +403,26 @@ def test_eval_notes_say_which_models_trained_on_the_validation_item(split, tmp_p
                          "generative models trained without the validation item"), note
     assert report["training"]["xrec qwen3 (final)"]["final_fit"] is True
     assert note in (tmp_path / "eval" / "eval.md").read_text()
+
+
+@pytest.mark.parametrize("text, said", [
+    ("{}", "max_items: got None, expected an integer >= 1"),
+    ('{"max_items": "50"}', "max_items: got '50', expected an integer >= 1"),
+    ('{"max_items": 0}', "max_items: got 0, expected an integer >= 1"),
+    ("{", "xrec_prompt.json: not JSON")])
+def test_a_damaged_prompt_file_is_named(split, tmp_path, text, said):
+    """xrec_prompt.json written by hand (a model trained elsewhere) or damaged: without
+    max_items a bare KeyError, a string failed in the prompts with a TypeError, 0 made every
+    prompt the whole history (h[-0:]) without a word."""
+    from xrec.realdata.ranking import GenerativeRanker
+
+    sid = tmp_path / "sid"
+    build_sid_dir(split, sid, embeddings="svd", codebook_size=8, dim=8)
+    model = _tiny_model(split, sid, tmp_path / "qwen3")
+    (model / "xrec_prompt.json").write_text(text)
+    with pytest.raises(DataError, match=re.escape(said)):
+        ranker = GenerativeRanker.open(model, split.data.item_ids)
+        try:
+            ranker.rank(split, "test", 10, 10)
+        finally:
+            ranker.close()

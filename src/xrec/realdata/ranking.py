@@ -43,10 +43,10 @@ class GenerativeRanker:
         spec_path = model_dir / PROMPT_FILE
         if not spec_path.is_file():
             raise DataError(f"{model_dir} has no {PROMPT_FILE}: not a model of `xrec train`")
-        spec = json.loads(spec_path.read_text())
+        max_items = _prompt_items(spec_path)
         vocab = SidVocabulary.read(model_dir, item_ids)
         return cls(Engine.from_pretrained(model_dir, isolation="thread",
-                                          **engine_options), vocab, spec["max_items"])
+                                          **engine_options), vocab, max_items)
 
     def close(self) -> None:
         self.engine.close()
@@ -74,6 +74,20 @@ class GenerativeRanker:
             if bar is not None:
                 bar.update(len(part))
         return out
+
+
+def _prompt_items(spec_path: Path) -> int:
+    """`max_items` of a model's prompt file: an integer >= 1 (a hand-written file without it
+    failed with a bare KeyError, a string or 0 deep in the prompts or as every item)."""
+    try:
+        spec = json.loads(spec_path.read_text())
+    except ValueError as e:
+        raise DataError(f"{spec_path}: not JSON ({e})") from None
+    max_items = spec.get("max_items") if isinstance(spec, dict) else None
+    if not isinstance(max_items, int) or isinstance(max_items, bool) or max_items < 1:
+        raise DataError(f"{spec_path}: max_items: got {max_items!r}, expected an integer >= 1 "
+                        f"(the history items in a prompt)")
+    return max_items
 
 
 def ranked_items(response, k: int, seen=()) -> np.ndarray:
