@@ -426,3 +426,18 @@ def test_a_damaged_prompt_file_is_named(split, tmp_path, text, said):
             ranker.rank(split, "test", 10, 10)
         finally:
             ranker.close()
+
+
+def test_eval_reads_a_train_report_without_options_as_no_final_fit(split, tmp_path):
+    """A model trained elsewhere, its train_report.json written by hand without "options":
+    the final-fit checks read it as no final fit instead of failing with a KeyError."""
+    sid = tmp_path / "sid"
+    build_sid_dir(split, sid, embeddings="svd", codebook_size=8, dim=8)
+    model = _tiny_model(split, sid, tmp_path / "qwen3")
+    (model / "train_report.json").write_text(json.dumps(
+        {"epochs_run": 1, "best": {"epoch": 1}, "parameters": 1, "train_minutes": 0.1,
+         "history": []}))
+    report = eval_run.evaluate(split, [model], tmp_path / "eval",
+                               eval_run.EvalOptions(stage="valid", beam_width=16, baselines=()),
+                               progress=False, log=lambda *_: None)
+    assert report["training"]["xrec qwen3 (qwen3)"]["final_fit"] is False

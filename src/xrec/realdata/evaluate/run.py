@@ -170,7 +170,7 @@ def _check_no_final_fit(model_dirs: list[Path]) -> None:
     validation stage it is measured on its own training data."""
     for model_dir in model_dirs:
         path = Path(model_dir) / "train_report.json"
-        if path.is_file() and json.loads(path.read_text())["options"].get("final"):
+        if path.is_file() and json.loads(path.read_text()).get("options", {}).get("final"):
             raise ValueError(f"--model {model_dir} is a final fit (xrec train --final), trained "
                              f"on every validation item: only --stage test measures it")
 
@@ -264,7 +264,7 @@ def _trained_model_facts(model_dir: Path) -> dict:
         return {}
     report = json.loads(path.read_text())
     return {"epochs": report["epochs_run"], "best_epoch": report["best"]["epoch"],
-            "final_fit": bool(report["options"].get("final")),
+            "final_fit": bool(report.get("options", {}).get("final")),
             "parameters": report["parameters"],
             "train_seconds": round(60 * report["train_minutes"], 1)}
 
