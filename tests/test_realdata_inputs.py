@@ -40,17 +40,24 @@ def _tiny_model(split, sid, out):
     return out
 
 
-def test_demo_redoes_an_evaluation_killed_half_written(split, tmp_path, monkeypatch, capsys):
-    """The eval stage dies after eval.json and before eval.md: the next demo run finds no
-    `eval/` (written whole, renamed into place) and evaluates again, instead of calling the
-    stage cached and failing on the missing file."""
+def _demo_with_cached_stages(split, tmp_path, monkeypatch, users: int):
+    """`xrec demo movielens` on `split` under a fresh XREC_HOME whose semantic IDs and
+    qwen3 model are already there (the cached stages): its run directory and arguments."""
     monkeypatch.setenv("XREC_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(xrec.realdata.data, "load_dataset", lambda name: split.data)
     run = tmp_path / "home" / "runs" / "ml-100k"
     build_sid_dir(split, run / "sid", embeddings="svd", codebook_size=8, dim=8)
-    _tiny_model(split, run / "sid", run / "qwen3")     # the cached stages
+    _tiny_model(split, run / "sid", run / "qwen3")
     args = argparse.Namespace(dataset="ml-100k", families="qwen3", baselines="most-popular",
-                              users=2, redo_eval=False, no_progress=True)
+                              users=users, redo_eval=False, no_progress=True)
+    return run, args
+
+
+def test_demo_redoes_an_evaluation_killed_half_written(split, tmp_path, monkeypatch, capsys):
+    """The eval stage dies after eval.json and before eval.md: the next demo run finds no
+    `eval/` (written whole, renamed into place) and evaluates again, instead of calling the
+    stage cached and failing on the missing file."""
+    run, args = _demo_with_cached_stages(split, tmp_path, monkeypatch, users=2)
     real = eval_run._agreement_section
 
     def killed(report):
@@ -313,13 +320,7 @@ def test_demo_refuses_a_count_of_users_to_show_before_its_stages(split, tmp_path
                                                                  users):
     """`--users 0` ran every stage, then failed on users[0] with an IndexError traceback;
     -1 and more than the test users failed in numpy's sampling (a message naming nothing)."""
-    monkeypatch.setenv("XREC_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(xrec.realdata.data, "load_dataset", lambda name: split.data)
-    run = tmp_path / "home" / "runs" / "ml-100k"
-    build_sid_dir(split, run / "sid", embeddings="svd", codebook_size=8, dim=8)
-    _tiny_model(split, run / "sid", run / "qwen3")     # the cached stages
-    args = argparse.Namespace(dataset="ml-100k", families="qwen3", baselines="most-popular",
-                              users=users, redo_eval=False, no_progress=True)
+    run, args = _demo_with_cached_stages(split, tmp_path, monkeypatch, users=users)
     with pytest.raises(ValueError, match=rf"^--users: got {users}, expected 1 to 150 "):
         run_demo(args)
     assert not (run / "eval").exists()
