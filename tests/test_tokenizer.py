@@ -133,6 +133,30 @@ def test_matches_transformers(small_dir, small):
         assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
+def test_truncation_and_padding_of_tokenizer_json_are_off(tmp_path):
+    """A tokenizer.json saved with truncation or padding on: Hugging Face's tokenizer call
+    encodes the whole text unpadded; xrec cut prompts (and a chat's generation prompt) at the
+    saved length and padded them, and a generation prefix, with pad tokens."""
+    transformers = pytest.importorskip("transformers")
+    tokenizer = build_sid_tokenizer(SMALL)
+    tokenizer.enable_truncation(max_length=4)
+    tokenizer.enable_padding(length=8, pad_id=SMALL.first_special_id, pad_token="<|endoftext|>")
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    write_sid_tokenizer(tmp_path / "plain", SMALL)   # the same tokenizer, saved without either
+    (tmp_path / "tokenizer_config.json").write_text(
+        (tmp_path / "plain" / "tokenizer_config.json").read_text())
+    ours = PromptTokenizer.from_model_dir(tmp_path)
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    for prompt in PROMPTS + [m["content"] for m in MESSAGES]:
+        assert ours.encode(prompt) == reference(prompt)["input_ids"], prompt
+    ids = reference.apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                        enable_thinking=False, tokenize=True)
+    assert ours.encode_chat(MESSAGES) == list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    # a generation prefix is its own tokens: no pad tokens after it
+    assert ours.encode("<|sid_begin|>", add_special_tokens=False) == [SMALL.sid_begin_id]
+    assert ours.max_token_chars == PromptTokenizer.from_model_dir(tmp_path / "plain").max_token_chars
+
+
 def test_chat_rendering(small):
     text = small.render_chat([{"role": "user", "content": "hi <s_a_1>"}])
     assert text == ("<|im_start|>user\nhi <s_a_1><|im_end|>\n"

@@ -11,6 +11,13 @@ an `ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)` with
 `loopcontrols`, a `tojson` filter that keeps non-ASCII text, and the
 `raise_exception(message)` and `strftime_now(format)` globals.
 
+Truncation and padding: a `tokenizer.json` may be saved with either on (its
+"truncation" / "padding" keys). Hugging Face's tokenizer call turns both off
+unless the caller asks for them, so a prompt, a chat and a generation prefix
+are encoded whole and unpadded there; `PromptTokenizer` turns them off at load
+too (they cut a prompt short, the generation prompt included, or padded it,
+a generation prefix too, with pad tokens).
+
 Thread safety: the `tokenizers.Tokenizer` is shared by all request threads
 and only read. `encode`, `token_to_id`, `id_to_token` borrow it immutably
 (PyO3), and immutable borrows may coexist. The "RuntimeError: Already
@@ -138,11 +145,10 @@ def _types(state: Any) -> set[str]:
 def _max_token_chars(tokenizer: Any) -> int | None:
     """The longest token's characters when no token covers more characters of the normalized
     text than its string has (`min_num_tokens`), else None: a BPE model that never fuses
-    unknown characters into one token, no truncation, no added token that swallows the
-    whitespace beside it, and pre-tokenizers that drop nothing."""
+    unknown characters into one token, no added token that swallows the whitespace beside
+    it, and pre-tokenizers that drop nothing (truncation is off: `PromptTokenizer`)."""
     model = tokenizer.model
-    if type(model).__name__ != "BPE" or (model.unk_token and model.fuse_unk) \
-            or tokenizer.truncation is not None:
+    if type(model).__name__ != "BPE" or (model.unk_token and model.fuse_unk):
         return None
     if any(t.lstrip or t.rstrip for t in tokenizer.get_added_tokens_decoder().values()):
         return None
@@ -202,6 +208,12 @@ class PromptTokenizer:
     def __init__(self, tokenizer, chat_template: str | None = None,
                  special_tokens: dict[str, str | None] | None = None,
                  template_source: str = "the model directory"):
+        # as Hugging Face's tokenizer call: the whole text, unpadded, whatever tokenizer.json
+        # says (at load, before any thread encodes)
+        if tokenizer.truncation is not None:
+            tokenizer.no_truncation()
+        if tokenizer.padding is not None:
+            tokenizer.no_padding()
         self._tokenizer = tokenizer  # a tokenizers.Tokenizer
         self._special_tokens = dict(special_tokens or {})
         self._template_source = template_source  # where it came from, or where xrec looked
