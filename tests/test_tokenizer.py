@@ -157,6 +157,30 @@ def test_truncation_and_padding_of_tokenizer_json_are_off(tmp_path):
     assert ours.max_token_chars == PromptTokenizer.from_model_dir(tmp_path / "plain").max_token_chars
 
 
+def test_template_sees_the_special_tokens_as_transformers_does(tmp_path):
+    """`bos_token: null` rendered as "None" in a template that writes `{{ bos_token }}`, and
+    `pad_token` (any named special token but bos / eos) was undefined: Hugging Face passes
+    the named special tokens that are set, and leaves a null one undefined."""
+    transformers = pytest.importorskip("transformers")
+    write_sid_tokenizer(tmp_path, SMALL)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["bos_token"] is None and config["pad_token"] == "<|endoftext|>"
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"   # no class defaults of its own
+    config["chat_template"] = ("{{ bos_token }}[{{ pad_token }}|{{ unk_token }}|{{ eos_token }}]"
+                               "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                               "{{ eos_token }}\n{% endfor %}<|im_start|>assistant\n")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = PromptTokenizer.from_model_dir(tmp_path)
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    text = reference.apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                         enable_thinking=False, tokenize=False)
+    assert text.startswith("[<|endoftext|>||<|im_end|>]<|im_start|>system\n")
+    assert ours.render_chat(MESSAGES) == text
+    ids = reference.apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                        enable_thinking=False, tokenize=True)
+    assert ours.encode_chat(MESSAGES) == list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 def test_chat_rendering(small):
     text = small.render_chat([{"role": "user", "content": "hi <s_a_1>"}])
     assert text == ("<|im_start|>user\nhi <s_a_1><|im_end|>\n"

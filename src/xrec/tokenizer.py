@@ -9,7 +9,11 @@ transformers.
 The template environment is the one Hugging Face templates are written for:
 an `ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)` with
 `loopcontrols`, a `tojson` filter that keeps non-ASCII text, and the
-`raise_exception(message)` and `strftime_now(format)` globals.
+`raise_exception(message)` and `strftime_now(format)` globals. The template
+also sees the special tokens that `tokenizer_config.json` names (`bos_token`,
+`eos_token`, `unk_token`, `sep_token`, `pad_token`, `cls_token`, `mask_token`),
+as Hugging Face's `special_tokens_map` passes them: those set, as strings; one
+that is null or absent is undefined there (renders as "", never "None").
 
 Truncation and padding: a `tokenizer.json` may be saved with either on (its
 "truncation" / "padding" keys). Hugging Face's tokenizer call turns both off
@@ -64,6 +68,9 @@ KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Split", "Metaspace", "Digits", "Punctuat
 # normalizers that leave ASCII text as it is (others are run to measure the text)
 ASCII_KEEPING_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "StripAccents",
                              "Sequence"}
+# the named special tokens a chat template sees (Hugging Face's SPECIAL_TOKENS_ATTRIBUTES)
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                      "cls_token", "mask_token")
 
 
 def _template_environment():
@@ -215,7 +222,9 @@ class PromptTokenizer:
         if tokenizer.padding is not None:
             tokenizer.no_padding()
         self._tokenizer = tokenizer  # a tokenizers.Tokenizer
-        self._special_tokens = dict(special_tokens or {})
+        # None is left out: undefined in the template, as in Hugging Face's (not "None")
+        self._special_tokens = {key: value for key, value in (special_tokens or {}).items()
+                                if value is not None}
         self._template_source = template_source  # where it came from, or where xrec looked
         self._template = None
         self.max_token_chars = _max_token_chars(tokenizer)   # None: no bound (min_num_tokens)
@@ -242,7 +251,7 @@ class PromptTokenizer:
             raise ValueError(f"{path}: cannot load it as a tokenizer ({exc})") from exc
         config = _read_config(model_dir)
         template, source = _find_template(model_dir, config)
-        special = {key: _special_token(config, key) for key in ("bos_token", "eos_token")}
+        special = {key: _special_token(config, key) for key in SPECIAL_TOKEN_KEYS}
         return cls(tokenizer, template, special, source)
 
     # --- vocabulary ---------------------------------------------------------------------
