@@ -224,6 +224,26 @@ def test_request_errors(small):
         small.encode_chat([{"role": "user", "content": "hello \udfff"}])
 
 
+def test_a_lone_surrogate_in_a_long_prompt_is_a_request_error(small):
+    """A prompt long enough for the length bound (`check_prompt_bound`) met the normalizer
+    first, which raised UnicodeEncodeError (no InvalidArgument, no code, no request id)."""
+    from xrec.api_types import RecRequest, SearchLimits, validate
+
+    limits = SearchLimits(vocab_size=SMALL.vocab_size, d_model=8, max_input_len=4,
+                          max_beam_width=4, max_top_k=4, default_beam_width=4,
+                          default_normalize="allowed", accepts_embeddings=False,
+                          decoder_start_len=0)
+    text = "a" * (4 * small.max_token_chars) + " \ud800"   # past the bound's quick check
+    with pytest.raises(InvalidArgument, match=r"^prompt: character \d+ is a lone surrogate") \
+            as error:
+        validate(RecRequest(prompt=text, request_id="r1"), limits, small)
+    assert error.value.request_id == "r1"
+    with pytest.raises(InvalidArgument, match=r"^messages: character \d+ is a lone surrogate"):
+        validate(RecRequest(messages=[{"role": "user", "content": text}]), limits, small)
+    with pytest.raises(InvalidArgument, match=r"^messages: character \d+ is a lone surrogate"):
+        small.min_num_tokens(text, "messages")
+
+
 def test_template_sources(tmp_path):
     (tmp_path / "tokenizer.json").write_text(build_sid_tokenizer(SMALL).to_str())
     assert PromptTokenizer.from_model_dir(tmp_path / "nowhere") is None

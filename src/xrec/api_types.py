@@ -338,7 +338,7 @@ def check_prompt_bound(field: str, text: Any, limits: SearchLimits, tokenizer: A
     prefix_len = len(limits.generation_prefix)
     if len(text) <= (limits.max_input_len - prefix_len) * tokenizer.max_token_chars:
         return   # it may fit
-    num_tokens = tokenizer.min_num_tokens(text) + prefix_len
+    num_tokens = tokenizer.min_num_tokens(text, field) + prefix_len
     if num_tokens > limits.max_input_len:
         raise InvalidArgument(
             f"{field}: at least {num_tokens} positions"

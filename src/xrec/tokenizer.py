@@ -288,15 +288,20 @@ class PromptTokenizer:
 
     # --- requests -----------------------------------------------------------------------
 
-    def min_num_tokens(self, text: str) -> int:
+    def min_num_tokens(self, text: str, field: str = "prompt") -> int:
         """A lower bound on `len(encode(text))` found without the BPE work: the normalized
         text's characters over `max_token_chars` (0 when no bound holds). Tens of
-        milliseconds for a megabyte of non-ASCII text (the normalizer), microseconds for ASCII."""
+        milliseconds for a megabyte of non-ASCII text (the normalizer), microseconds for ASCII.
+        Errors name `field`, as `encode`'s do."""
         if self.max_token_chars is None or not isinstance(text, str):
             return 0
         normalizer = self._tokenizer.normalizer
         if normalizer is not None and not (text.isascii() and self._is_ascii_kept):
-            text = normalizer.normalize_str(text)
+            try:
+                text = normalizer.normalize_str(text)
+            except (TypeError, UnicodeEncodeError):   # a lone surrogate, named here
+                _check_encodable(field, text)
+                raise
         return -(-len(text) // self.max_token_chars)
 
     def encode(self, text: str, add_special_tokens: bool = True,
