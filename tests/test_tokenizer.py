@@ -181,6 +181,29 @@ def test_template_sees_the_special_tokens_as_transformers_does(tmp_path):
     assert ours.encode_chat(MESSAGES) == list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+def test_template_with_generation_blocks(tmp_path):
+    """`{% generation %}` (Hugging Face's assistant-mask block, in templates written for
+    training) made the directory fail to load: "unknown tag 'generation'"."""
+    transformers = pytest.importorskip("transformers")
+    write_sid_tokenizer(tmp_path, SMALL)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}"
+        "{% generation %}{% set n = m.content|length %}{{ m.content }}<|im_end|>"
+        "{% endgeneration %}{% else %}{{ m.content }}<|im_end|>{% endif %}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = PromptTokenizer.from_model_dir(tmp_path)
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    text = reference.apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                         enable_thinking=False, tokenize=False)
+    assert "<|im_start|>assistant\n<|sid_begin|><s_a_4>" in text
+    assert ours.render_chat(MESSAGES) == text
+    ids = reference.apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                        enable_thinking=False, tokenize=True)
+    assert ours.encode_chat(MESSAGES) == list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 def test_chat_rendering(small):
     text = small.render_chat([{"role": "user", "content": "hi <s_a_1>"}])
     assert text == ("<|im_start|>user\nhi <s_a_1><|im_end|>\n"

@@ -8,7 +8,9 @@ transformers.
 
 The template environment is the one Hugging Face templates are written for:
 an `ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)` with
-`loopcontrols`, a `tojson` filter that keeps non-ASCII text, and the
+`loopcontrols`, the `{% generation %}...{% endgeneration %}` block (Hugging Face
+marks the assistant's tokens with it for training masks; it renders its body as
+it is), a `tojson` filter that keeps non-ASCII text, and the
 `raise_exception(message)` and `strftime_now(format)` globals. The template
 also sees the special tokens that `tokenizer_config.json` names (`bos_token`,
 `eos_token`, `unk_token`, `sep_token`, `pad_token`, `cls_token`, `mask_token`),
@@ -85,8 +87,22 @@ def _template_environment():
         return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators,
                           sort_keys=sort_keys)
 
+    class Generation(jinja2.ext.Extension):
+        """`{% generation %}body{% endgeneration %}`: the body (no assistant mask here)."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body) \
+                .set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+                                        extensions=[Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
