@@ -204,6 +204,25 @@ def test_template_with_generation_blocks(tmp_path):
     assert ours.encode_chat(MESSAGES) == list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+def test_template_tojson_takes_transformers_arguments(tmp_path):
+    """transformers' `tojson` takes `ensure_ascii` (first, then indent, separators,
+    sort_keys): `tojson(ensure_ascii=False)` refused every chat, `tojson(2)` indented."""
+    transformers = pytest.importorskip("transformers")
+    write_sid_tokenizer(tmp_path, SMALL)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content|tojson(ensure_ascii=False) }}"
+        "|{{ m|tojson(true, 1, sort_keys=true) }}|{{ m.content|tojson(separators=(',', ':')) }}"
+        "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = PromptTokenizer.from_model_dir(tmp_path)
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    text = reference.apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                         enable_thinking=False, tokenize=False)
+    assert '; Café naïve 推荐' in text and "Caf\\u00e9" in text    # ensure_ascii false, then true
+    assert ours.render_chat(MESSAGES) == text
+
+
 def test_chat_rendering(small):
     text = small.render_chat([{"role": "user", "content": "hi <s_a_1>"}])
     assert text == ("<|im_start|>user\nhi <s_a_1><|im_end|>\n"

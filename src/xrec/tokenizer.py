@@ -10,8 +10,9 @@ The template environment is the one Hugging Face templates are written for:
 an `ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)` with
 `loopcontrols`, the `{% generation %}...{% endgeneration %}` block (Hugging Face
 marks the assistant's tokens with it for training masks; it renders its body as
-it is), a `tojson` filter that keeps non-ASCII text, and the
-`raise_exception(message)` and `strftime_now(format)` globals. The template
+it is), transformers' `tojson` filter (it keeps non-ASCII text unless
+`ensure_ascii=true`), and the `raise_exception(message)` and
+`strftime_now(format)` globals. The template
 also sees the special tokens that `tokenizer_config.json` names (`bos_token`,
 `eos_token`, `unk_token`, `sep_token`, `pad_token`, `cls_token`, `mask_token`),
 as Hugging Face's `special_tokens_map` passes them: those set, as strings; one
@@ -83,9 +84,10 @@ def _template_environment():
     def raise_exception(message: str):
         raise TemplateError(message)
 
-    def tojson(value, indent=None, separators=None, sort_keys=False):
-        return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # transformers' signature, `ensure_ascii` first (jinja2's own takes `indent` first)
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
 
     class Generation(jinja2.ext.Extension):
         """`{% generation %}body{% endgeneration %}`: the body (no assistant mask here)."""
