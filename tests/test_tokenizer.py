@@ -286,6 +286,19 @@ def test_a_lone_surrogate_in_a_long_prompt_is_a_request_error(small):
         small.min_num_tokens(text, "messages")
 
 
+def test_a_lone_surrogate_in_the_generation_prefix_names_the_option(tmp_path):
+    """`xrec recommend --generation-prefix` takes argv bytes that are not UTF-8 as lone
+    surrogates; the engine refused them as "prompt: ..." (no prompt was given)."""
+    from xrec import Engine
+    from xrec.demo import write_random_model
+
+    model_dir = write_random_model(tmp_path / "sid", "qwen3-sid-test", 0, 20)
+    with pytest.raises(InvalidArgument, match=r"^option generation_prefix: character 1 is a "
+                                              r"lone surrogate \('\\udcff'\)"):
+        Engine.from_pretrained(model_dir, isolation="thread", device="cpu",
+                               generation_prefix="<\udcff")
+
+
 def test_template_sources(tmp_path):
     (tmp_path / "tokenizer.json").write_text(build_sid_tokenizer(SMALL).to_str())
     assert PromptTokenizer.from_model_dir(tmp_path / "nowhere") is None

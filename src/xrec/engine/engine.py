@@ -482,7 +482,7 @@ def _generation_prefix(options: EngineOptions, config: FamilyConfig,
         if tokenizer is None:
             raise ValueError(f"option generation_prefix: got text {prefix!r}, but the model directory "
                              "has no tokenizer.json; give token ids")
-        ids = tokenizer.encode(prefix, add_special_tokens=False)
+        ids = tokenizer.encode(prefix, add_special_tokens=False, field="option generation_prefix")
     else:
         ids = list(prefix)
     bad = [i for i in ids if not 0 <= i < config.vocab_size]
