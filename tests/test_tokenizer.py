@@ -223,6 +223,28 @@ def test_template_tojson_takes_transformers_arguments(tmp_path):
     assert ours.render_chat(MESSAGES) == text
 
 
+def test_null_message_keys_are_undefined_in_the_template(tmp_path):
+    """OpenAI clients send `"name": null` and the like; transformers leaves such keys out of
+    the message (undefined in the template), xrec passed None ("[None]" below)."""
+    transformers = pytest.importorskip("transformers")
+    write_sid_tokenizer(tmp_path, SMALL)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}{% if m.name is defined %}"
+        "[{{ m.name }}]{% endif %}{% if 'tool_calls' in m %}(tools){% endif %}\n{{ m.content }}"
+        "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = PromptTokenizer.from_model_dir(tmp_path)
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    messages = [{"role": "system", "content": "s", "name": None},
+                {"role": "user", "content": "<s_a_1>", "name": "ann", "tool_calls": None},
+                {"role": "assistant", "content": "ok", "tool_calls": [], "name": None}]
+    text = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text.startswith("<|im_start|>systems<|im_end|>\n<|im_start|>user[ann]<s_a_1>")
+    assert ours.render_chat(messages) == text
+    assert messages[0] == {"role": "system", "content": "s", "name": None}   # not changed
+
+
 def test_chat_rendering(small):
     text = small.render_chat([{"role": "user", "content": "hi <s_a_1>"}])
     assert text == ("<|im_start|>user\nhi <s_a_1><|im_end|>\n"

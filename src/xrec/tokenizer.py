@@ -209,6 +209,9 @@ def _message_content(content: Any, index: int) -> str:
 
 
 def _check_messages(messages: Any) -> list[dict[str, Any]]:
+    """The messages as the template sees them: each a copy whose null keys are left out (as
+    transformers does: `"name": null` is undefined in the template, not "None"), its content
+    text."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidArgument(f"messages: got {messages!r:.80}, expected a non-empty list of "
                               f"{{\"role\": str, \"content\": str}} objects")
@@ -217,7 +220,9 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidArgument(f"messages: [{index}]: got {message!r:.80}, expected a "
                                   f"{{\"role\": str, \"content\": str}} object")
-        checked.append({**message, "content": _message_content(message.get("content"), index)})
+        content = _message_content(message.get("content"), index)
+        checked.append({**{key: value for key, value in message.items() if value is not None},
+                        "content": content})
     return checked
 
 
