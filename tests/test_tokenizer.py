@@ -245,6 +245,24 @@ def test_null_message_keys_are_undefined_in_the_template(tmp_path):
     assert messages[0] == {"role": "system", "content": "s", "name": None}   # not changed
 
 
+def test_split_special_tokens_of_tokenizer_config(tmp_path):
+    """`"split_special_tokens": true` in tokenizer_config.json: transformers encodes the
+    special tokens written in a prompt as text; xrec read them as the special tokens."""
+    transformers = pytest.importorskip("transformers")
+    write_sid_tokenizer(tmp_path, SMALL)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                                "split_special_tokens": True}))
+    ours = PromptTokenizer.from_model_dir(tmp_path)
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert SMALL.first_special_id + 1 not in reference("<|im_start|>user")["input_ids"]
+    for prompt in PROMPTS + [m["content"] for m in MESSAGES]:
+        assert ours.encode(prompt) == reference(prompt)["input_ids"], prompt
+    ids = reference.apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                        enable_thinking=False, tokenize=True)
+    assert ours.encode_chat(MESSAGES) == list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 def test_chat_rendering(small):
     text = small.render_chat([{"role": "user", "content": "hi <s_a_1>"}])
     assert text == ("<|im_start|>user\nhi <s_a_1><|im_end|>\n"

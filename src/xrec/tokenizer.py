@@ -275,6 +275,9 @@ class PromptTokenizer:
         config = _read_config(model_dir)
         template, source = _find_template(model_dir, config)
         special = {key: _special_token(config, key) for key in SPECIAL_TOKEN_KEYS}
+        # "split_special_tokens": special tokens written in the text are encoded as text, as
+        # transformers sets it on the same tokenizer (a rendered chat's included, there too)
+        tokenizer.encode_special_tokens = config.get("split_special_tokens") is True
         return cls(tokenizer, template, special, source)
 
     # --- vocabulary ---------------------------------------------------------------------
