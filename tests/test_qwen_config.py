@@ -68,6 +68,8 @@ def test_moe_layer_rule_and_bias_flags():
     (dict(layer_types="full_attention"), "layer_types': got full_attention, expected a list"),
     (dict(rms_norm_eps=float("inf")), "rms_norm_eps': got inf, expected a finite number"),
     (dict(rope_theta=10 ** 400), "rope_theta': got an integer of 401 digits"),
+    # transformers 5 reads rope_parameters' 10000, transformers 4 the top-level 5000
+    (dict(rope_theta=5000.0), "rope_theta=5000.0, rope_parameters.rope_theta=10000.0 disagree"),
     (dict(num_hidden_layers=2000), "num_hidden_layers': got 2000, expected an integer >= 1 and "
                                    "<= 1024"),
     (dict(num_experts=20000), "num_experts': got 20000"),

@@ -236,11 +236,25 @@ def _default_head_dim(hidden: int, heads: int) -> int:
 
 
 def _rope_theta(raw: dict[str, Any]) -> float:
-    """`rope_theta`, or transformers 5's `rope_parameters.rope_theta` (the same value)."""
-    params = raw.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params and "rope_theta" not in raw:
-        return get_key(params, "rope_theta", 10000.0, float)
-    return get_key(raw, "rope_theta", 10000.0, float)
+    """`rope_theta`, or transformers 5's `rope_scaling.rope_theta` / `rope_parameters.rope_theta`.
+
+    transformers 5 takes the value inside `rope_scaling` (when set) or `rope_parameters` before
+    the top-level key; transformers 4 reads the top-level key only. Values that differ are
+    refused: serving either would score differently from one of the two (a top-level
+    `rope_theta` edited in a file transformers 5 wrote was silently used here, not by it)."""
+    found: dict[str, float] = {}
+    if raw.get("rope_theta") is not None:
+        found["rope_theta"] = get_key(raw, "rope_theta", 10000.0, float)
+    for name in ("rope_scaling", "rope_parameters"):
+        inner = raw.get(name)
+        if isinstance(inner, dict) and inner.get("rope_theta") is not None:
+            found[f"{name}.rope_theta"] = get_key(inner, "rope_theta", 10000.0, float)
+    if len(set(found.values())) > 1:
+        said = ", ".join(f"{key}={value!r}" for key, value in found.items())
+        raise ValueError(f"config keys {said} disagree: transformers 5 reads the value inside "
+                         "rope_scaling / rope_parameters, transformers 4 the top-level rope_theta; "
+                         "give one value")
+    return next(iter(found.values()), 10000.0)
 
 
 def _refuse_unsupported(raw: dict[str, Any]) -> None:
