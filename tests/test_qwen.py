@@ -284,6 +284,9 @@ ROPE_SETTINGS = {
                               None),
     # an edited top-level rope_theta: transformers 5 keeps rope_parameters' 10000, 4.x reads 500
     "top_level_theta_differs": ((), {"rope_theta": 500.0}, "rope_theta=500.0, rope_parameters.rope_theta=10000.0"),
+    # transformers 5 reads the older key "type" where "rope_type" is absent: linear scaling
+    "linear_as_type": ((), {"rope_parameters": {"type": "linear", "factor": 4.0, "rope_theta": 10000.0}},
+                       "config key 'rope_parameters.type': got 'linear'"),
 }
 
 

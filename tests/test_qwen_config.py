@@ -55,6 +55,9 @@ def test_moe_layer_rule_and_bias_flags():
 @pytest.mark.parametrize("change,key", [
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling"),
     (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}), "rope_parameters"),
+    (dict(rope_parameters={"type": "yarn", "rope_theta": 1e4, "factor": 2.0}), "rope_parameters.type': got 'yarn'"),
+    (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+     "rope_parameters': got RoPE settings per layer type \\(full_attention\\)"),
     (dict(use_sliding_window=True), "use_sliding_window"),
     (dict(layer_types=["sliding_attention"] * 3), "layer_types"),
     (dict(hidden_act="gelu"), "hidden_act"),

@@ -268,9 +268,16 @@ def _refuse_unsupported(raw: dict[str, Any]) -> None:
         raise ValueError(f"config key 'rope_scaling': got {scaling!r}; xrec implements plain RoPE "
                          "only (rope_scaling null)")
     params = raw.get("rope_parameters")
-    if isinstance(params, dict) and params.get("rope_type", "default") != "default":
-        raise ValueError(f"config key 'rope_parameters.rope_type': got {params.get('rope_type')!r}, "
-                         "allowed: 'default' (plain RoPE)")
+    if isinstance(params, dict):
+        nested = sorted(key for key, value in params.items() if isinstance(value, dict))
+        if nested:
+            raise ValueError(f"config key 'rope_parameters': got RoPE settings per layer type "
+                             f"({', '.join(nested)}); xrec implements one plain RoPE for all layers")
+        # transformers 5 reads the older key "type" where "rope_type" is absent
+        key = "rope_type" if "rope_type" in params or "type" not in params else "type"
+        if params.get(key, "default") != "default":
+            raise ValueError(f"config key 'rope_parameters.{key}': got {params.get(key)!r}, "
+                             "allowed: 'default' (plain RoPE)")
     if raw.get("use_sliding_window"):
         raise ValueError("config key 'use_sliding_window': got true; xrec implements full attention "
                          "only (use_sliding_window false)")
