@@ -218,6 +218,30 @@ def test_hf_checkpoint_is_read_as_saved(hf_models):
         assert hasattr(bias, "relative_attention_bias") == (name != "absolute")
 
 
+@pytest.mark.parametrize("change,words", [
+    ({"dense_act_fn": "gelu_new"}, "'dense_act_fn': got 'gelu_new', allowed: 'silu'"),
+    ({"dense_act_fn": "relu"}, "'dense_act_fn': got 'relu'"),
+    ({"is_gated_act": False}, "'is_gated_act': got False, allowed: true"),
+])
+def test_t5_keys_hugging_face_reads_beside_feed_forward_proj_are_refused(hf_models, tmp_path, change, words):
+    """transformers writes dense_act_fn and is_gated_act into every T5 config.json and, reading
+    one, takes them over what feed_forward_proj says: with "gated-silu" and dense_act_fn
+    "gelu_new" its feed-forward is a gated GELU. xrec served gated SiLU without a word."""
+    from transformers import T5ForConditionalGeneration
+    hf, directory, _ = hf_models["relative"]
+    raw = json.loads((directory / "config.json").read_text())
+    assert (raw["dense_act_fn"], raw["is_gated_act"]) == ("silu", True)
+    (tmp_path / "config.json").write_text(json.dumps({**raw, **change}))
+    (tmp_path / "model.safetensors").write_bytes((directory / "model.safetensors").read_bytes())
+    ids, start = torch.tensor([[5, 9, 13, 2]]), torch.tensor([[0]])
+    with torch.inference_mode():
+        changed = T5ForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
+        want = changed(input_ids=ids, decoder_input_ids=start).logits
+        assert (want - hf(input_ids=ids, decoder_input_ids=start).logits).abs().max() > 0.1
+    with pytest.raises(ValueError, match=re.escape(words)):
+        load_model(tmp_path, device="cpu", dtype=torch.float32)
+
+
 @pytest.mark.parametrize("name", ["relative", "absolute", "untied"])
 @pytest.mark.parametrize("kind", ["token_ids", "inputs_embeds"])
 @pytest.mark.parametrize("length", [1, 40])   # 40 > relative_attention_max_distance=32: log buckets

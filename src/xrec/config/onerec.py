@@ -245,6 +245,16 @@ def _t5_fields(raw: dict[str, Any]) -> dict[str, Any]:
     if proj != "gated-silu":
         raise ValueError(f"config key 'feed_forward_proj': got {proj!r}, allowed: 'gated-silu' "
                          "(the OneRec feed-forward is a gated SiLU)")
+    # Hugging Face derives these two from feed_forward_proj, then sets them from config.json
+    # (which holds them whenever transformers wrote it): there they win.
+    act = raw.get("dense_act_fn", "silu")
+    if act != "silu":
+        raise ValueError(f"config key 'dense_act_fn': got {act!r}, allowed: 'silu' (Hugging Face T5 "
+                         "uses it in place of feed_forward_proj's activation)")
+    gated = raw.get("is_gated_act", True)
+    if gated is not True:
+        raise ValueError(f"config key 'is_gated_act': got {gated!r}, allowed: true (Hugging Face T5 "
+                         "builds an ungated feed-forward without it)")
     for key in ("d_model", "d_kv", "num_heads", "num_layers", "vocab_size"):
         if key not in raw:
             raise ValueError(f"config key {key!r} is missing (required in the 't5' dialect)")
