@@ -242,6 +242,35 @@ def test_t5_keys_hugging_face_reads_beside_feed_forward_proj_are_refused(hf_mode
         load_model(tmp_path, device="cpu", dtype=torch.float32)
 
 
+def test_t5_untied_head_with_scale_decoder_outputs_is_refused(hf_models, tmp_path):
+    """tie_word_embeddings false with scale_decoder_outputs true: transformers 5 multiplies the
+    untied head's input by d_model**-0.5, 4.x does not (it scales a tied head only). xrec served
+    it unscaled without a word; refused, naming both keys. Without the key both agree."""
+    from transformers import T5ForConditionalGeneration
+    hf, directory, _ = hf_models["untied"]
+    raw = json.loads((directory / "config.json").read_text())
+    assert raw["tie_word_embeddings"] is False and not raw["scale_decoder_outputs"]
+    (tmp_path / "model.safetensors").write_bytes((directory / "model.safetensors").read_bytes())
+    ids, start = torch.tensor([[5, 9, 13, 2]]), torch.tensor([[0]])
+    for scale in (True, None):
+        changed = {k: v for k, v in raw.items() if k != "scale_decoder_outputs"}
+        if scale is not None:
+            changed["scale_decoder_outputs"] = scale
+        (tmp_path / "config.json").write_text(json.dumps(changed))
+        with torch.inference_mode():
+            want = T5ForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()(
+                input_ids=ids, decoder_input_ids=start).logits
+            moved = (want - hf(input_ids=ids, decoder_input_ids=start).logits).abs().max()
+        if scale:
+            assert moved > 0.1
+            with pytest.raises(ValueError, match="'tie_word_embeddings': false and 'scale_decoder_outputs': true"):
+                load_model(tmp_path, device="cpu", dtype=torch.float32)
+        else:
+            assert moved < 1e-5
+            got = load_model(tmp_path, device="cpu", dtype=torch.float32)
+            assert not got.config.tie_word_embeddings
+
+
 @pytest.mark.parametrize("name", ["relative", "absolute", "untied"])
 @pytest.mark.parametrize("kind", ["token_ids", "inputs_embeds"])
 @pytest.mark.parametrize("length", [1, 40])   # 40 > relative_attention_max_distance=32: log buckets

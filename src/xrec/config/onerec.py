@@ -262,6 +262,12 @@ def _t5_fields(raw: dict[str, Any]) -> dict[str, Any]:
     d_kv = get_key(raw, "d_kv", 64, int)
     layers = get_key(raw, "num_layers", 6, int)
     out = _common_fields(raw)
+    if not out["tie_word_embeddings"] and raw.get("scale_decoder_outputs") is True:
+        # transformers 5 scales the untied head by d_model**-0.5 then, 4.x (which scales a tied
+        # head only) does not, nor does xrec
+        raise ValueError("config keys 'tie_word_embeddings': false and 'scale_decoder_outputs': true "
+                         "disagree: transformers 5 scales the untied head's input by d_model**-0.5, "
+                         "transformers 4 and xrec do not; drop scale_decoder_outputs or set it false")
     out.update(
         num_encoder_layers=layers,
         num_decoder_layers=get_key(raw, "num_decoder_layers", layers, int),
