@@ -236,25 +236,24 @@ def _default_head_dim(hidden: int, heads: int) -> int:
 
 
 def _rope_theta(raw: dict[str, Any]) -> float:
-    """`rope_theta`, or transformers 5's `rope_scaling.rope_theta` / `rope_parameters.rope_theta`.
+    """`rope_theta` as transformers 5 reads it: inside `rope_scaling` when that is set (it then
+    replaces `rope_parameters`), else inside `rope_parameters`, else the top-level key.
 
-    transformers 5 takes the value inside `rope_scaling` (when set) or `rope_parameters` before
-    the top-level key; transformers 4 reads the top-level key only. Values that differ are
-    refused: serving either would score differently from one of the two (a top-level
+    transformers 4 reads the top-level key only: where both are given and differ, it is
+    refused, as serving either would score differently from one of the two (a top-level
     `rope_theta` edited in a file transformers 5 wrote was silently used here, not by it)."""
-    found: dict[str, float] = {}
-    if raw.get("rope_theta") is not None:
-        found["rope_theta"] = get_key(raw, "rope_theta", 10000.0, float)
-    for name in ("rope_scaling", "rope_parameters"):
-        inner = raw.get(name)
-        if isinstance(inner, dict) and inner.get("rope_theta") is not None:
-            found[f"{name}.rope_theta"] = get_key(inner, "rope_theta", 10000.0, float)
-    if len(set(found.values())) > 1:
-        said = ", ".join(f"{key}={value!r}" for key, value in found.items())
-        raise ValueError(f"config keys {said} disagree: transformers 5 reads the value inside "
-                         "rope_scaling / rope_parameters, transformers 4 the top-level rope_theta; "
-                         "give one value")
-    return next(iter(found.values()), 10000.0)
+    scaling = raw.get("rope_scaling")
+    name = "rope_scaling" if scaling else "rope_parameters"
+    inner = raw.get(name)
+    top = get_key(raw, "rope_theta", None, float) if raw.get("rope_theta") is not None else None
+    if not (isinstance(inner, dict) and inner.get("rope_theta") is not None):
+        return 10000.0 if top is None else top
+    theta = get_key(inner, "rope_theta", None, float)
+    if top is not None and top != theta:
+        raise ValueError(f"config keys rope_theta={top!r}, {name}.rope_theta={theta!r} disagree: "
+                         f"transformers 5 reads the value inside {name}, transformers 4 the "
+                         "top-level rope_theta; give one value")
+    return theta
 
 
 def _refuse_unsupported(raw: dict[str, Any]) -> None:
