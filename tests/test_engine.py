@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import wait
+from concurrent.futures import as_completed, wait
 
 import pytest
 import torch
@@ -344,6 +344,26 @@ def test_cancelled_waiting_request_is_dropped(model_dir):
         gate.release.set()
         assert blocker.result(WAIT_S).results
         assert _answers(engine, _requests(1))[0].results
+        assert engine.scheduler.num_waiting == 0
+
+
+def test_a_request_cancelled_while_waiting_is_done_for_wait_and_as_completed(model_dir):
+    """`concurrent.futures.wait` and `as_completed` count a cancelled future as done only
+    once its owner notifies it (`set_running_or_notify_cancel`). Before, a request cancelled
+    while waiting was dropped without that: `wait` on it waited its whole timeout and
+    `as_completed` for ever, though its `result()` raised CancelledError at once."""
+    with Engine.from_pretrained(model_dir, isolation="thread",
+                                device="cpu", max_seqs_per_batch=1) as engine:
+        gate = Gate()
+        engine.executor.fault = gate
+        blocker = engine.submit(RecRequest(token_ids=[1], beam_width=4))
+        waiting = engine.submit(RecRequest(token_ids=[2], beam_width=4))
+        assert waiting.cancel()
+        done, _ = wait([waiting], WAIT_S)
+        assert done == {waiting}, "wait() does not see the cancelled request as done"
+        assert next(as_completed([waiting], WAIT_S)) is waiting
+        gate.release.set()
+        assert blocker.result(WAIT_S).results
         assert engine.scheduler.num_waiting == 0
 
 

@@ -18,7 +18,7 @@ import sys
 import textwrap
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, as_completed, wait
 
 import numpy as np
 import pytest
@@ -125,6 +125,23 @@ def test_cancel_report_hooks_and_bursts(engine):
     while not reports and time.monotonic() < deadline:
         time.sleep(0.01)
     assert reports and reports[0].num_requests >= 1
+
+
+def test_a_cancelled_request_is_done_for_wait_and_as_completed(engine):
+    """A cancelled future counts as done for `concurrent.futures.wait` and `as_completed`
+    only once notified (`set_running_or_notify_cancel`). Before, the caller's future of a
+    cancelled request never was: `wait` on it waited its whole timeout and `as_completed`
+    for ever."""
+    engine.hold_wakeups()       # queued in the child, not running, when it is cancelled
+    try:
+        futures = engine.submit_many(_requests(2))
+        assert futures[1].cancel()
+    finally:
+        engine.release_wakeups()
+    done, _ = wait(futures, WAIT_S)
+    assert done == set(futures), "wait() does not see the cancelled request as done"
+    assert set(as_completed(futures, WAIT_S)) == set(futures)
+    assert futures[0].result().results
 
 
 def test_unmatched_release_raises_here_and_the_child_serves_on(engine):

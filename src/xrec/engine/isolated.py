@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from xrec.api_types import CatalogVersion, ValidRequest
 from xrec.config.engine import checked_grace_s
 from xrec.engine.frontend import EngineFrontend, EngineStats, arrival_time as _arrival
-from xrec.engine.requests import BatchReport
+from xrec.engine.requests import BatchReport, notify_cancelled
 from xrec.engine.transport import Arena, Region, dumps, loads
 from xrec.errors import DeadlineExceeded, Internal, Unavailable
 
@@ -473,6 +473,7 @@ def _writable(conn: Connection, timeout_s: float) -> bool:
 
 def _cancel_in_child(link: _Link, seq: int, future: Future) -> None:
     """A done-callback: a request cancelled here is dropped by the child too."""
+    notify_cancelled(future)   # so that wait() and as_completed() see it done
     if future.cancelled() and link.error is None:
         try:
             link.send(("cancel", seq))

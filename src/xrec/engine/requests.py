@@ -83,6 +83,19 @@ class ScheduledRequest(Generic[RequestT]):
         return True
 
 
+def notify_cancelled(future: Future) -> None:
+    """Move a cancelled `future` to CANCELLED_AND_NOTIFIED, as its owner must: until then
+    `concurrent.futures.wait` and `as_completed` do not count it as done (they wait their
+    whole timeout on it, or for ever), though `result()` raises `CancelledError` at once.
+    Idempotent; does nothing to a future that is not cancelled."""
+    if not future.cancelled():
+        return
+    try:
+        future.set_running_or_notify_cancel()
+    except RuntimeError:   # notified already
+        pass
+
+
 @dataclass(frozen=True)
 class BatchLimits:
     """Per-batch budgets and queue limits of the FixedStepsScheduler.

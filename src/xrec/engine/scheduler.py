@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 from xrec.engine.requests import (BatchBuilder, BatchCatalog, BatchLimits, BatchReport,
-                                  ScheduledBatch, ScheduledRequest)
+                                  ScheduledBatch, ScheduledRequest, notify_cancelled)
 from xrec.errors import DeadlineExceeded, Internal, ResourceExhausted, Unavailable, XrecError
 
 __all__ = ["BatchLimits", "FixedStepsScheduler", "ScheduledBatch", "ScheduledRequest"]
@@ -237,6 +237,7 @@ class FixedStepsScheduler:
 
     def _on_future_done(self, future: Future) -> None:
         if future.cancelled():  # the client went away: the loop drops it and frees its slot
+            notify_cancelled(future)   # so that wait() and as_completed() see it done
             with self._cond:
                 self._is_sweep_needed = True
                 self._notify_loop()
