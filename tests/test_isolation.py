@@ -239,6 +239,29 @@ def test_close_and_garbage_collection_end_the_child(model_dir):
     assert _wait_gone(pid)
 
 
+def test_close_from_a_done_callback_drains_what_was_queued(model_dir):
+    """A done-callback runs on the receiver thread; `close` there waited for the child with
+    nobody reading its answers, then the receiver found its socket closed: the requests the
+    child had drained failed UNAVAILABLE. It now closes on a thread of its own, as
+    `Engine.close` and the finalizer do."""
+    engine = Engine.from_pretrained(model_dir, isolation="process", device="cpu",
+                                    max_seqs_per_batch=1)
+    returned = threading.Event()
+
+    def close_now(future):
+        engine.close(grace_s=WAIT_S)
+        returned.set()
+    futures = engine.submit_many(_requests(5))
+    futures[0].add_done_callback(close_now)
+    done, _ = wait(futures, WAIT_S)
+    assert len(done) == 5
+    assert all(f.result(0).results for f in futures)    # close drains what was queued
+    assert returned.wait(WAIT_S)
+    assert _wait_gone(engine.pid)
+    with pytest.raises(Unavailable):
+        engine.submit(RecRequest(token_ids=[1]))
+
+
 def test_close_twice_leaves_the_hosts_files_alone(model_dir, tmp_path):
     """`close()` then `with`'s own close: the second is a no-op. Before, it closed the
     arena's file descriptor again, by then the number of a file this process had opened."""

@@ -263,7 +263,7 @@ class ProcessEngine(EngineFrontend):
                                        daemon=True)
         self._receiver.start()
         self._timer.start()
-        self._finalizer = weakref.finalize(self, _shutdown_when_collected, link,
+        self._finalizer = weakref.finalize(self, _shutdown_off_own_threads, link,
                                            (self._receiver, self._timer))
 
     @classmethod
@@ -455,10 +455,13 @@ class ProcessEngine(EngineFrontend):
         """Finish what is queued and running (up to `grace_s`), then stop the child.
         Idempotent (as `Engine.close`): a second call must not close the arena's file
         descriptor again, whose number this process may have given to another file.
-        `grace_s` is checked first (`checked_grace_s`), as `Engine.close` does."""
+        `grace_s` is checked first (`checked_grace_s`), as `Engine.close` does. Called on
+        this engine's receiver thread (a done-callback), it returns at once and the engine
+        closes on a thread of its own: the receiver must go on reading the answers of what
+        the child drains."""
         grace_s = checked_grace_s(grace_s)
         if self._finalizer.detach() is not None:
-            _shutdown(self._link, (self._receiver, self._timer), grace_s)
+            _shutdown_off_own_threads(self._link, (self._receiver, self._timer), grace_s)
 
 
 def _writable(conn: Connection, timeout_s: float) -> bool:
@@ -493,15 +496,18 @@ def _settle(future: Future, value: Any, is_error: bool) -> None:
         pass
 
 
-def _shutdown_when_collected(link: _Link, threads: tuple[threading.Thread, ...]) -> None:
-    """The finalizer: `close(0)` once the engine is collected or the interpreter exits. On
-    one of this side's `threads` (a cyclic collection runs wherever it is triggered, maybe
-    while that thread holds `link.lock`) it shuts down on a new thread."""
+def _shutdown_off_own_threads(link: _Link, threads: tuple[threading.Thread, ...],
+                              grace_s: float = 0.0) -> None:
+    """`ProcessEngine.close`, and the finalizer (`close(0)` once the engine is collected or
+    the interpreter exits). On one of this side's `threads` it shuts down on a new thread:
+    the receiver (where done-callbacks run) must keep reading the child's answers while it
+    drains, and a cyclic collection runs wherever it is triggered, maybe while that thread
+    holds `link.lock`."""
     if threading.current_thread() in threads:
-        threading.Thread(target=_shutdown, args=(link, threads, 0.0),
+        threading.Thread(target=_shutdown, args=(link, threads, grace_s),
                          name="xrec-engine-close", daemon=True).start()
     else:
-        _shutdown(link, threads, 0.0)
+        _shutdown(link, threads, grace_s)
 
 
 def _shutdown(link: _Link, threads: tuple[threading.Thread, ...], grace_s: float) -> None:
