@@ -295,6 +295,56 @@ def test_close_from_a_done_callback_returns_and_the_engine_closes(model_dir):
         engine.submit(_requests(1)[0])
 
 
+def waits_in_close(thread: threading.Thread) -> bool:
+    """Whether `thread` is blocked (in a `threading` wait) inside an engine's `close`."""
+    frame = sys._current_frames().get(thread.ident)
+    if frame is None or not frame.f_code.co_filename.endswith("threading.py"):
+        return False
+    while frame is not None:
+        if frame.f_code.co_name == "close" and "xrec" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def close_while_another_close_drains(engine, gate_release: threading.Event, future) -> bool:
+    """Close `engine` on two threads: the first drains `future`'s batch, held until
+    `gate_release`; the second starts once the first has begun. Whether `future` was
+    answered when the second close returned."""
+    first = threading.Thread(target=engine.close, args=(WAIT_S,), daemon=True)
+    first.start()
+    answered_at_return = []
+    second = threading.Thread(target=lambda: (engine.close(WAIT_S),
+                                              answered_at_return.append(future.done())),
+                              daemon=True)
+    deadline = time.monotonic() + WAIT_S
+    while not waits_in_close(first) and time.monotonic() < deadline:
+        time.sleep(0.01)        # the first close waits for the held batch
+    second.start()
+    while second.is_alive() and not waits_in_close(second) and time.monotonic() < deadline:
+        time.sleep(0.01)        # the second returns (before) or waits for the first (now)
+    gate_release.set()
+    first.join(WAIT_S)
+    second.join(WAIT_S)
+    assert not first.is_alive() and not second.is_alive()
+    return answered_at_return[0]
+
+
+def test_close_while_another_close_drains_returns_once_that_one_has(model_dir):
+    """`close()` is idempotent; a second caller's returned at once while the first was
+    still draining, with requests unanswered and the threads running (a server's signal
+    drain and its exit path both close). It now returns once the first close has ended."""
+    engine = Engine.from_pretrained(model_dir, isolation="thread", device="cpu")
+    gate = Gate()
+    engine.executor.fault = gate
+    future = engine.submit(_requests(1)[0])
+    assert close_while_another_close_drains(engine, gate.release, future), \
+        "the second close() returned before the first had drained"
+    assert future.result(0).results
+    for thread in (engine.scheduler.thread, *engine.executor.threads):
+        assert not thread.is_alive(), thread.name
+
+
 def test_a_served_batch_reports_its_sizes_and_frees_its_pipeline(model_dir):
     """While a batch runs its pipeline is busy with its workspace estimate; after it, both
     are back to 0 and the report carries its sizes and times (the metrics read these)."""

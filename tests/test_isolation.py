@@ -262,6 +262,47 @@ def test_close_from_a_done_callback_drains_what_was_queued(model_dir):
         engine.submit(RecRequest(token_ids=[1]))
 
 
+def _waits_in_close(thread: threading.Thread) -> bool:
+    """Whether `thread` is blocked (in a `threading` wait) inside the engine's `close`."""
+    frame = sys._current_frames().get(thread.ident)
+    if frame is None or not frame.f_code.co_filename.endswith("threading.py"):
+        return False
+    while frame is not None:
+        if frame.f_code.co_name == "close" and "xrec" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_close_while_another_close_drains_returns_once_that_one_has(model_dir):
+    """A second `close()` returned at once while the first still waited for the child to
+    drain, with requests unanswered. It now returns once the first has ended. The child is
+    stopped (SIGSTOP) while both closes begin, so that nothing is answered before."""
+    engine = Engine.from_pretrained(model_dir, isolation="process", device="cpu")
+    pid = engine.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        futures = engine.submit_many(_requests(2))      # in the socket; the child reads later
+        first = threading.Thread(target=engine.close, args=(WAIT_S,), daemon=True)
+        first.start()
+        deadline = time.monotonic() + WAIT_S
+        while engine.is_serving and time.monotonic() < deadline:
+            time.sleep(0.01)     # the first close has begun
+        answered_at_return = []
+        second = threading.Thread(target=lambda: (engine.close(WAIT_S), answered_at_return.append(
+            all(f.done() for f in futures))), daemon=True)
+        second.start()
+        while second.is_alive() and not _waits_in_close(second) and time.monotonic() < deadline:
+            time.sleep(0.01)     # the second returns (before) or waits for the first (now)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    first.join(WAIT_S)
+    second.join(WAIT_S)
+    assert not first.is_alive() and not second.is_alive()
+    assert answered_at_return == [True], "the second close() returned before the child drained"
+    assert all(f.result(0).results for f in futures)
+
+
 def test_close_twice_leaves_the_hosts_files_alone(model_dir, tmp_path):
     """`close()` then `with`'s own close: the second is a no-op. Before, it closed the
     arena's file descriptor again, by then the number of a file this process had opened."""

@@ -129,10 +129,12 @@ class Engine(EngineFrontend):
             functools.partial(_batch_done, scheduler, self._report_hooks, answers_as_data),
             options.adaptive_threads, _cuda_graphs if self.uses_graphs else None)
         self.num_pipelines = num_pipelines
-        self._closed = threading.Event()
+        self._closed = threading.Event()          # set as a close begins
+        self._close_ended = threading.Event()    # set once it has ended
         scheduler.start()
+        self._own_threads = (scheduler.thread, *executor.threads)
         self._finalizer = weakref.finalize(self, _close_off_own_threads, scheduler, executor,
-                                           self._closed, (scheduler.thread, *executor.threads))
+                                           self._closed, self._close_ended, self._own_threads)
         logger.info("engine ready: %s, %.1fM parameters, %s %s, %d pipeline(s), workspace %.1f MiB "
                     "each, catalog %s, options %s", model_name, config.num_parameters / 1e6, device,
                     self.dtype, num_pipelines, self.workspace_per_pipeline / 2**20,
@@ -292,13 +294,16 @@ class Engine(EngineFrontend):
     def close(self, grace_s: float = 30.0) -> None:
         """Stop accepting, finish what is queued and running (up to `grace_s`), then stop:
         what still waits fails UNAVAILABLE, a batch still running stops at its next round
-        (UNAVAILABLE), and the threads end. Idempotent. Called on one of the engine's own
+        (UNAVAILABLE), and the threads end. Idempotent: a call while another thread's close
+        runs returns once that one has ended (its grace). Called on one of the engine's own
         threads (a done-callback runs on the pipeline that answered), it returns at once and
         the engine closes on a thread of its own."""
         grace_s = checked_grace_s(grace_s)
         detached = self._finalizer.detach()
         if detached is not None:
             _close_off_own_threads(*detached[2], grace_s)
+        elif threading.current_thread() not in self._own_threads:
+            self._close_ended.wait()   # bounded: the other close's grace, then its joins
 
     def describe(self) -> dict:
         """What start-up logs and a process-isolated engine's parent show (plain values)."""
@@ -395,27 +400,32 @@ def _batch_done(scheduler: FixedStepsScheduler, hooks: list[Callable[[BatchRepor
 
 
 def _close_off_own_threads(scheduler: FixedStepsScheduler, executor: Executor,
-                           closed: threading.Event, threads: tuple, grace_s: float = 0.0) -> None:
+                           closed: threading.Event, ended: threading.Event, threads: tuple,
+                           grace_s: float = 0.0) -> None:
     """`Engine.close`, and the finalizer (`close(0)` once the engine is collected or the
     interpreter exits). On one of the engine's own `threads` it closes on a new thread: a
     pipeline cannot wait for the batch it is still finishing (a done-callback calling close
     waited its whole grace), and a cyclic collection runs wherever it is triggered, maybe
     while that thread holds one of the engine's locks."""
     if threading.current_thread() in threads:
-        threading.Thread(target=_close_parts, args=(scheduler, executor, closed, grace_s),
+        threading.Thread(target=_close_parts, args=(scheduler, executor, closed, ended, grace_s),
                          name="xrec-engine-close", daemon=True).start()
     else:
-        _close_parts(scheduler, executor, closed, grace_s)
+        _close_parts(scheduler, executor, closed, ended, grace_s)
 
 
 def _close_parts(scheduler: FixedStepsScheduler, executor: Executor, closed: threading.Event,
-                 grace_s: float) -> None:
+                 ended: threading.Event, grace_s: float) -> None:
     """`Engine.close`, also run when an engine is collected or the interpreter exits (grace
-    0): refuse, drain for `grace_s`, fail what waits, stop running batches, end the threads."""
+    0): refuse, drain for `grace_s`, fail what waits, stop running batches, end the threads;
+    then set `ended`."""
     closed.set()
-    deadline = time.monotonic() + grace_s
-    scheduler.close(grace_s)
-    executor.close(max(0.0, deadline - time.monotonic()))
+    try:
+        deadline = time.monotonic() + grace_s
+        scheduler.close(grace_s)
+        executor.close(max(0.0, deadline - time.monotonic()))
+    finally:
+        ended.set()
 
 
 def _with_responses(batch: EngineBatch, report: BatchReport[ResponseData]) -> BatchReport:

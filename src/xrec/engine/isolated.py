@@ -104,6 +104,7 @@ class _Link:
     lock: threading.Lock = field(default_factory=threading.Lock)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     error: BaseException | None = None      # set once the child is gone
+    shut_down: threading.Event = field(default_factory=threading.Event)   # `_shutdown` ended
     num_holds: int = 0                      # hold_wakeups() not yet released, under `lock`
     # (deadline, seq, request_id, timeout_ms) of submitted requests, a heap under `lock`;
     # entries of answered requests are skipped when they come up (or pruned on submit)
@@ -458,10 +459,14 @@ class ProcessEngine(EngineFrontend):
         `grace_s` is checked first (`checked_grace_s`), as `Engine.close` does. Called on
         this engine's receiver thread (a done-callback), it returns at once and the engine
         closes on a thread of its own: the receiver must go on reading the answers of what
-        the child drains."""
+        the child drains. A call while another thread's close runs returns once that one
+        has ended."""
         grace_s = checked_grace_s(grace_s)
+        own_threads = (self._receiver, self._timer)
         if self._finalizer.detach() is not None:
-            _shutdown_off_own_threads(self._link, (self._receiver, self._timer), grace_s)
+            _shutdown_off_own_threads(self._link, own_threads, grace_s)
+        elif threading.current_thread() not in own_threads:
+            self._link.shut_down.wait()   # bounded: the other close's grace, then a kill
 
 
 def _writable(conn: Connection, timeout_s: float) -> bool:
@@ -512,7 +517,14 @@ def _shutdown_off_own_threads(link: _Link, threads: tuple[threading.Thread, ...]
 
 def _shutdown(link: _Link, threads: tuple[threading.Thread, ...], grace_s: float) -> None:
     """Ask the child to drain and exit; kill it if it does not; fail what is left; end
-    this side's threads."""
+    this side's threads; then set `link.shut_down`."""
+    try:
+        _shut_down_child(link, threads, grace_s)
+    finally:
+        link.shut_down.set()
+
+
+def _shut_down_child(link: _Link, threads: tuple[threading.Thread, ...], grace_s: float) -> None:
     with link.lock:
         if link.error is None:
             link.error = Unavailable("engine is closed")
