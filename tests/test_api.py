@@ -353,6 +353,7 @@ def test_recommend_async(engine):
     (dict(request_timeout_ms=10 ** 400), "request_timeout_ms"),   # then every submit failed
     (dict(request_timeout_ms=True), "request_timeout_ms"),        # a 1 ms deadline each
     (dict(device=None), "device"),                                # an AttributeError before
+    (dict(device="cuda:x"), "device"),                            # torch's RuntimeError before
 ])
 def test_bad_engine_option(model_dir, options, word):
     with pytest.raises(ValueError, match=word):

@@ -372,6 +372,11 @@ ENGINE_REFUSALS = [
     ({"normalize": "softmax"}, "normalize", "'softmax'"),
     ({"dtype": "int8"}, "dtype", "'int8'"),
     ({"device": "tpu"}, "device", "'tpu'"),
+    # accepted here, then torch's RuntimeError at load
+    ({"device": "cuda:x"}, "device", "'cuda:x'"),
+    ({"device": "cuda:-1"}, "device", "'cuda:-1'"),
+    ({"device": "cuda:"}, "device", "'cuda:'"),
+    ({"device": "cuda:01"}, "device", "'cuda:01'"),
     ({"batch_wait_ms": -1}, "batch_wait_ms", "-1"),
     ({"request_timeout_ms": 0}, "request_timeout_ms", "0"),
     ({"each_conversion_threshold": -1}, "each_conversion_threshold", "-1"),

@@ -95,7 +95,7 @@ class EngineOptions:
         if self.dtype not in ("auto",) + DTYPES:
             raise ValueError(f"option dtype: got {self.dtype!r}, allowed: 'auto', {', '.join(DTYPES)}")
         if not (isinstance(self.device, str) and (self.device in ("auto", "cpu", "cuda")
-                                                  or self.device.startswith("cuda:"))):
+                                                  or _is_cuda_index(self.device))):
             raise ValueError(f"option device: got {self.device!r}, allowed: 'auto', 'cpu', 'cuda', 'cuda:N'")
         if not (_is_number(self.batch_wait_ms) and 0 <= self.batch_wait_ms <= 60_000):
             raise ValueError(f"option batch_wait_ms: got {self.batch_wait_ms!r}, allowed: [0, 60000]")
@@ -166,6 +166,15 @@ def _is_number(value: Any) -> bool:
     except OverflowError:
         return False
     return True
+
+
+def _is_cuda_index(device: str) -> bool:
+    """Whether `device` is "cuda:N" as torch reads it: N in ASCII digits, no leading zero
+    ("cuda:x", "cuda:-1", "cuda:01" and "cuda:" passed here and failed only at load, with
+    torch's RuntimeError)."""
+    index = device.removeprefix("cuda:")
+    return (device.startswith("cuda:") and index.isascii() and index.isdigit()
+            and (index == "0" or not index.startswith("0")))
 
 
 def checked_grace_s(grace_s: Any) -> float:
