@@ -144,6 +144,31 @@ def test_a_cancelled_request_is_done_for_wait_and_as_completed(engine):
     assert futures[0].result().results
 
 
+def test_reads_and_calls_from_a_report_hook_answer(model_dir):
+    """Report hooks (and done-callbacks) run on the receiver thread, the one the child's
+    answers come through: `stats()` there waited READ_TIMEOUT_S and raised `Unavailable`
+    (holding every other answer back meanwhile), and a call (`get`, `load_catalog`) waited
+    for ever, and with it every request of the engine."""
+    with Engine.from_pretrained(model_dir, isolation="process", device="cpu") as engine:
+        seen, called = [], threading.Event()
+
+        def read_and_call(report):
+            if called.is_set():
+                return
+            for read in (engine.stats, lambda: engine.get("num_pipelines")):
+                try:
+                    seen.append(read())
+                except Exception as exc:
+                    seen.append(exc)
+            called.set()
+        engine.add_report_hook(read_and_call)
+        assert engine.recommend(_requests(1))[0].results
+        assert called.wait(WAIT_S), "a call from a report hook never returned"
+        assert engine.recommend(_requests(2))[1].results    # the receiver serves on
+        assert isinstance(seen[0], EngineStats) and seen[0].is_serving, seen
+        assert seen[1] == engine.num_pipelines, seen
+
+
 def test_unmatched_release_raises_here_and_the_child_serves_on(engine):
     """As in-thread: an unmatched `release_wakeups()` raises to its caller. Before, it
     returned here and ended the child's serving loop (every pending request UNAVAILABLE)."""

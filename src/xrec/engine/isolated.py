@@ -169,20 +169,29 @@ class _Link:
         return regions
 
     def receive(self) -> None:
-        """The receiver thread: answers to futures until the child closes the socket. Each
+        """The receiver thread: answers to futures until the child closes the socket."""
+        while self.receive_one(None):
+            pass
+
+    def receive_one(self, timeout_s: float | None) -> bool:
+        """Handle the child's next message, waiting at most `timeout_s` (None: for ever) for
+        it; False once the child has closed the socket (every pending future then failed).
+        Also run by a read (`ProcessEngine._remote`) made on the receiver thread itself (a
+        done-callback, a report hook), whose answer can come only through this thread. Each
         message is handled in a call of its own, so that no future (whose callbacks may
         hold the caller's objects) stays referenced while the thread waits."""
-        while True:
-            try:
-                data = self.conn.recv_bytes()
-            except (EOFError, OSError):
-                break
-            try:
-                self._handle(loads(data, None))
-            except Exception:   # a bug here must not end the receiver: every future would hang
-                logger.exception("handling a message from the engine process failed")
-            del data
-        self._child_gone()
+        try:
+            if timeout_s is not None and not self.conn.poll(max(0.0, timeout_s)):
+                return True
+            data = self.conn.recv_bytes()
+        except (EOFError, OSError):
+            self._child_gone()
+            return False
+        try:
+            self._handle(loads(data, None))
+        except Exception:   # a bug here must not end the receiver: every future would hang
+            logger.exception("handling a message from the engine process failed")
+        return True
 
     def _handle(self, message: tuple) -> None:
         kind = message[0]
@@ -406,7 +415,9 @@ class ProcessEngine(EngineFrontend):
 
     def _remote(self, name: str, args: tuple | None, timeout_s: float | None = None) -> Any:
         """`name(*args)` (None: the attribute `name`) in the child; past `timeout_s` (None: no
-        bound) `Unavailable`, and the child's late answer is dropped."""
+        bound) `Unavailable`, and the child's late answer is dropped. On the receiver thread
+        (a done-callback, a report hook) it reads the child's messages itself meanwhile:
+        there, waiting for the receiver waited for ever (a call) or `timeout_s` (a read)."""
         future: Future = Future()
         seq = next(self._seq)
         with self._link.lock:
@@ -414,7 +425,15 @@ class ProcessEngine(EngineFrontend):
                 raise self._link.error
             self._link.calls[seq] = future
         self._link.send(("call", seq, name, args))
-        if wait_futures((future,), timeout_s).done:
+        wait_s = timeout_s
+        if threading.current_thread() is self._receiver:   # a done-callback or a report hook:
+            wait_s = 0.0                                    # the answer comes through here
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            while not future.done():
+                left = None if deadline is None else deadline - time.monotonic()
+                if (left is not None and left <= 0) or not self._link.receive_one(left):
+                    break
+        if wait_futures((future,), wait_s).done:
             return future.result()
         with self._link.lock:
             self._link.calls.pop(seq, None)
