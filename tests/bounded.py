@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -27,3 +28,16 @@ def recommend_within(engine, requests, timeout: float = TIMEOUT_S):
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+def waits_in_close(thread: threading.Thread) -> bool:
+    """Whether `thread` is blocked (in a `threading` wait) inside an engine's `close`: read
+    from its stack frames, not from how long it took."""
+    frame = sys._current_frames().get(thread.ident)
+    if frame is None or not frame.f_code.co_filename.endswith("threading.py"):
+        return False
+    while frame is not None:
+        if frame.f_code.co_name == "close" and "xrec" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False

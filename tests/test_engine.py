@@ -17,6 +17,7 @@ from concurrent.futures import as_completed, wait
 import pytest
 import torch
 
+from bounded import waits_in_close
 from xrec import (DeadlineExceeded, Engine, Internal, InvalidArgument, RecRequest,
                   ResourceExhausted, Unavailable)
 from xrec.demo import write_random_model
@@ -295,18 +296,6 @@ def test_close_from_a_done_callback_returns_and_the_engine_closes(model_dir):
         engine.submit(_requests(1)[0])
 
 
-def waits_in_close(thread: threading.Thread) -> bool:
-    """Whether `thread` is blocked (in a `threading` wait) inside an engine's `close`."""
-    frame = sys._current_frames().get(thread.ident)
-    if frame is None or not frame.f_code.co_filename.endswith("threading.py"):
-        return False
-    while frame is not None:
-        if frame.f_code.co_name == "close" and "xrec" in frame.f_code.co_filename:
-            return True
-        frame = frame.f_back
-    return False
-
-
 def close_while_another_close_drains(engine, gate_release: threading.Event, future) -> bool:
     """Close `engine` on two threads: the first drains `future`'s batch, held until
     `gate_release`; the second starts once the first has begun. Whether `future` was
@@ -384,23 +373,9 @@ def test_recommend_takes_one_request_or_a_sequence(model_dir):
 
 
 def test_cancelled_waiting_request_is_dropped(model_dir):
-    with Engine.from_pretrained(model_dir, isolation="thread",
-                                device="cpu", max_seqs_per_batch=1) as engine:
-        gate = Gate()
-        engine.executor.fault = gate
-        blocker = engine.submit(RecRequest(token_ids=[1], beam_width=4))
-        waiting = engine.submit(RecRequest(token_ids=[2], beam_width=4))
-        assert waiting.cancel()
-        gate.release.set()
-        assert blocker.result(WAIT_S).results
-        assert _answers(engine, _requests(1))[0].results
-        assert engine.scheduler.num_waiting == 0
-
-
-def test_a_request_cancelled_while_waiting_is_done_for_wait_and_as_completed(model_dir):
-    """`concurrent.futures.wait` and `as_completed` count a cancelled future as done only
-    once its owner notifies it (`set_running_or_notify_cancel`). Before, a request cancelled
-    while waiting was dropped without that: `wait` on it waited its whole timeout and
+    """A request cancelled while it waits is dropped, and its future notified: `wait` and
+    `as_completed` count a cancelled future as done only once its owner calls
+    `set_running_or_notify_cancel`. Before, `wait` on it waited its whole timeout and
     `as_completed` for ever, though its `result()` raised CancelledError at once."""
     with Engine.from_pretrained(model_dir, isolation="thread",
                                 device="cpu", max_seqs_per_batch=1) as engine:
@@ -414,6 +389,7 @@ def test_a_request_cancelled_while_waiting_is_done_for_wait_and_as_completed(mod
         assert next(as_completed([waiting], WAIT_S)) is waiting
         gate.release.set()
         assert blocker.result(WAIT_S).results
+        assert _answers(engine, _requests(1))[0].results
         assert engine.scheduler.num_waiting == 0
 
 

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed, wait
 import numpy as np
 import pytest
 
+from bounded import waits_in_close
 from xrec import DeadlineExceeded, Engine, InvalidArgument, RecRequest, Unavailable
 from xrec.demo import write_random_model
 from xrec.engine.isolated import ProcessEngine
@@ -287,18 +288,6 @@ def test_close_from_a_done_callback_drains_what_was_queued(model_dir):
         engine.submit(RecRequest(token_ids=[1]))
 
 
-def _waits_in_close(thread: threading.Thread) -> bool:
-    """Whether `thread` is blocked (in a `threading` wait) inside the engine's `close`."""
-    frame = sys._current_frames().get(thread.ident)
-    if frame is None or not frame.f_code.co_filename.endswith("threading.py"):
-        return False
-    while frame is not None:
-        if frame.f_code.co_name == "close" and "xrec" in frame.f_code.co_filename:
-            return True
-        frame = frame.f_back
-    return False
-
-
 def test_close_while_another_close_drains_returns_once_that_one_has(model_dir):
     """A second `close()` returned at once while the first still waited for the child to
     drain, with requests unanswered. It now returns once the first has ended. The child is
@@ -317,7 +306,7 @@ def test_close_while_another_close_drains_returns_once_that_one_has(model_dir):
         second = threading.Thread(target=lambda: (engine.close(WAIT_S), answered_at_return.append(
             all(f.done() for f in futures))), daemon=True)
         second.start()
-        while second.is_alive() and not _waits_in_close(second) and time.monotonic() < deadline:
+        while second.is_alive() and not waits_in_close(second) and time.monotonic() < deadline:
             time.sleep(0.01)     # the second returns (before) or waits for the first (now)
     finally:
         os.kill(pid, signal.SIGCONT)

@@ -149,12 +149,29 @@ def test_truncation_and_padding_of_tokenizer_json_are_off(tmp_path):
     reference = transformers.AutoTokenizer.from_pretrained(tmp_path)
     for prompt in PROMPTS + [m["content"] for m in MESSAGES]:
         assert ours.encode(prompt) == reference(prompt)["input_ids"], prompt
-    ids = reference.apply_chat_template(MESSAGES, add_generation_prompt=True,
-                                        enable_thinking=False, tokenize=True)
-    assert ours.encode_chat(MESSAGES) == list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert ours.encode_chat(MESSAGES) == _chat_ids(reference, MESSAGES)
     # a generation prefix is its own tokens: no pad tokens after it
     assert ours.encode("<|sid_begin|>", add_special_tokens=False) == [SMALL.sid_begin_id]
     assert ours.max_token_chars == PromptTokenizer.from_model_dir(tmp_path / "plain").max_token_chars
+
+
+def _both_tokenizers(tmp_path, **config_changes):
+    """xrec's and Hugging Face's tokenizer of a sid tokenizer whose tokenizer_config.json
+    has `config_changes` (a chat template, a flag) applied: the oracle and the code under test
+    read the same files."""
+    transformers = pytest.importorskip("transformers")
+    write_sid_tokenizer(tmp_path, SMALL)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, **config_changes}))
+    return (PromptTokenizer.from_model_dir(tmp_path),
+            transformers.AutoTokenizer.from_pretrained(tmp_path))
+
+
+def _chat_ids(reference, messages) -> list[int]:
+    """The ids of Hugging Face's `apply_chat_template` (a list, or a mapping's input_ids)."""
+    ids = reference.apply_chat_template(messages, add_generation_prompt=True,
+                                        enable_thinking=False, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def test_template_sees_the_special_tokens_as_transformers_does(tmp_path):
@@ -176,47 +193,31 @@ def test_template_sees_the_special_tokens_as_transformers_does(tmp_path):
                                          enable_thinking=False, tokenize=False)
     assert text.startswith("[<|endoftext|>||<|im_end|>]<|im_start|>system\n")
     assert ours.render_chat(MESSAGES) == text
-    ids = reference.apply_chat_template(MESSAGES, add_generation_prompt=True,
-                                        enable_thinking=False, tokenize=True)
-    assert ours.encode_chat(MESSAGES) == list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert ours.encode_chat(MESSAGES) == _chat_ids(reference, MESSAGES)
 
 
 def test_template_with_generation_blocks(tmp_path):
     """`{% generation %}` (Hugging Face's assistant-mask block, in templates written for
     training) made the directory fail to load: "unknown tag 'generation'"."""
-    transformers = pytest.importorskip("transformers")
-    write_sid_tokenizer(tmp_path, SMALL)
-    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    config["chat_template"] = (
+    ours, reference = _both_tokenizers(tmp_path, chat_template=(
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}"
         "{% generation %}{% set n = m.content|length %}{{ m.content }}<|im_end|>"
         "{% endgeneration %}{% else %}{{ m.content }}<|im_end|>{% endif %}\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    ours = PromptTokenizer.from_model_dir(tmp_path)
-    reference = transformers.AutoTokenizer.from_pretrained(tmp_path)
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"))
     text = reference.apply_chat_template(MESSAGES, add_generation_prompt=True,
                                          enable_thinking=False, tokenize=False)
     assert "<|im_start|>assistant\n<|sid_begin|><s_a_4>" in text
     assert ours.render_chat(MESSAGES) == text
-    ids = reference.apply_chat_template(MESSAGES, add_generation_prompt=True,
-                                        enable_thinking=False, tokenize=True)
-    assert ours.encode_chat(MESSAGES) == list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert ours.encode_chat(MESSAGES) == _chat_ids(reference, MESSAGES)
 
 
 def test_template_tojson_takes_transformers_arguments(tmp_path):
     """transformers' `tojson` takes `ensure_ascii` (first, then indent, separators,
     sort_keys): `tojson(ensure_ascii=False)` refused every chat, `tojson(2)` indented."""
-    transformers = pytest.importorskip("transformers")
-    write_sid_tokenizer(tmp_path, SMALL)
-    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    config["chat_template"] = (
+    ours, reference = _both_tokenizers(tmp_path, chat_template=(
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content|tojson(ensure_ascii=False) }}"
         "|{{ m|tojson(true, 1, sort_keys=true) }}|{{ m.content|tojson(separators=(',', ':')) }}"
-        "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    ours = PromptTokenizer.from_model_dir(tmp_path)
-    reference = transformers.AutoTokenizer.from_pretrained(tmp_path)
+        "<|im_end|>\n{% endfor %}<|im_start|>assistant\n"))
     text = reference.apply_chat_template(MESSAGES, add_generation_prompt=True,
                                          enable_thinking=False, tokenize=False)
     assert '; Café naïve 推荐' in text and "Caf\\u00e9" in text    # ensure_ascii false, then true
@@ -226,16 +227,10 @@ def test_template_tojson_takes_transformers_arguments(tmp_path):
 def test_null_message_keys_are_undefined_in_the_template(tmp_path):
     """OpenAI clients send `"name": null` and the like; transformers leaves such keys out of
     the message (undefined in the template), xrec passed None ("[None]" below)."""
-    transformers = pytest.importorskip("transformers")
-    write_sid_tokenizer(tmp_path, SMALL)
-    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    config["chat_template"] = (
+    ours, reference = _both_tokenizers(tmp_path, chat_template=(
         "{% for m in messages %}<|im_start|>{{ m.role }}{% if m.name is defined %}"
         "[{{ m.name }}]{% endif %}{% if 'tool_calls' in m %}(tools){% endif %}\n{{ m.content }}"
-        "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    ours = PromptTokenizer.from_model_dir(tmp_path)
-    reference = transformers.AutoTokenizer.from_pretrained(tmp_path)
+        "<|im_end|>\n{% endfor %}<|im_start|>assistant\n"))
     messages = [{"role": "system", "content": "s", "name": None},
                 {"role": "user", "content": "<s_a_1>", "name": "ann", "tool_calls": None},
                 {"role": "assistant", "content": "ok", "tool_calls": [], "name": None}]
@@ -248,19 +243,11 @@ def test_null_message_keys_are_undefined_in_the_template(tmp_path):
 def test_split_special_tokens_of_tokenizer_config(tmp_path):
     """`"split_special_tokens": true` in tokenizer_config.json: transformers encodes the
     special tokens written in a prompt as text; xrec read them as the special tokens."""
-    transformers = pytest.importorskip("transformers")
-    write_sid_tokenizer(tmp_path, SMALL)
-    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config,
-                                                                "split_special_tokens": True}))
-    ours = PromptTokenizer.from_model_dir(tmp_path)
-    reference = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ours, reference = _both_tokenizers(tmp_path, split_special_tokens=True)
     assert SMALL.first_special_id + 1 not in reference("<|im_start|>user")["input_ids"]
     for prompt in PROMPTS + [m["content"] for m in MESSAGES]:
         assert ours.encode(prompt) == reference(prompt)["input_ids"], prompt
-    ids = reference.apply_chat_template(MESSAGES, add_generation_prompt=True,
-                                        enable_thinking=False, tokenize=True)
-    assert ours.encode_chat(MESSAGES) == list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert ours.encode_chat(MESSAGES) == _chat_ids(reference, MESSAGES)
 
 
 def test_chat_rendering(small):
