@@ -570,6 +570,51 @@ def test_client_disconnect_frees_request(server, engine, gate):
     assert httpx.post(server.url + NATIVE, json=VALID).status_code == 200
 
 
+def test_a_cancelled_handler_cancels_the_request_its_parse_submits(engine, gate, monkeypatch):
+    """A body over 1 MiB is parsed and submitted on a worker thread, which a cancelled
+    handler cannot stop (uvicorn cancels handlers when its graceful shutdown times out, as
+    here; Ray Serve's proxy when the client goes away). The request that thread submits is
+    cancelled; before, it waited, ran, and was answered to nobody."""
+    app = create_app(engine, max_body_bytes=4 << 20)
+    config = uvicorn.Config(app, log_level="critical", lifespan="off", access_log=False,
+                            timeout_graceful_shutdown=1)
+    running = ServerThread(app, config=config)
+    slow: list = []
+    parsing, parsed = threading.Event(), threading.Event()
+    try:
+        slow_thread = post_in_thread(running.url + NATIVE, {**VALID, "request_id": "slow-c"}, slow)
+        assert gate.entered.wait(WAIT_S), "the slow batch never started"
+        validate, submit_valid, submitted = engine.validate, engine.submit_valid, []
+
+        def held_validate(request):   # the parse thread waits here until the handler is gone
+            parsing.set()
+            assert parsed.wait(WAIT_S)
+            return validate(request)
+
+        def recorded_submit(*args, **kwargs):
+            submitted.append(submit_valid(*args, **kwargs))
+            return submitted[-1]
+        monkeypatch.setattr(engine, "validate", held_validate)
+        monkeypatch.setattr(engine, "submit_valid", recorded_submit)
+        body = json.dumps(VALID)[:-1] + " " * (1 << 20) + "}"   # valid JSON, over 1 MiB
+        sock = raw_post(running.port, f"POST {NATIVE} HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                        f"application/json\r\nContent-Length: {len(body)}\r\n\r\n", body.encode())
+        assert parsing.wait(WAIT_S), "the body was not parsed on a worker thread"
+        running.server.should_exit = True   # 1 s later uvicorn cancels both handlers
+        assert wait_until(lambda: app.state.xrec.num_in_flight == 0), "handlers not cancelled"
+        parsed.set()                          # the parse thread goes on and submits
+        assert wait_until(lambda: len(submitted) == 1)
+        assert wait_until(lambda: submitted[0].cancelled()), "the abandoned request was kept"
+        assert wait_until(lambda: engine.scheduler.num_waiting == 0)
+        sock.close()
+    finally:
+        parsed.set()
+        gate.release.set()
+        running.thread.join(WAIT_S)
+    slow_thread.join(WAIT_S)
+    assert not running.thread.is_alive()
+
+
 def test_drain_finishes_in_flight_requests(model_dir):
     engine = Engine.from_pretrained(model_dir, isolation="thread", device="cpu", request_queue_size=1)
     gate = engine.executor.fault = Gate()

@@ -18,7 +18,8 @@ Decisions where docs/serving.md leaves a choice (the routes' own are in `app.py`
   NOT_FOUND; none goes to the served model).
 - Bodies over 1 MiB are parsed and submitted on a worker thread, so a large embedding
   does not stall the event loop, one at a time (parsing holds the GIL: several at once
-  are no faster, and each holds its parse memory).
+  are no faster, and each holds its parse memory). A handler cancelled meanwhile cannot
+  stop that thread; the request the thread submits is cancelled (`_Submission`).
 - Shutdown: requests whose answer is not ready when the drain's grace period ends are
   answered 503 UNAVAILABLE (`abandon_unfinished`); a handler that the server cancels
   answers 503 too, never uvicorn's plain-text 500.
@@ -38,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 import uuid
 from concurrent.futures import Future
@@ -135,8 +137,8 @@ class XrecService:
             body = await read_body(request, self.max_body_bytes)
             if len(body) > THREAD_PARSE_BYTES:
                 async with self._big_parses:
-                    parsed, request_id, future, input_len = await asyncio.to_thread(
-                        self._accept, engine, body, api, arrived)
+                    parsed, request_id, future, input_len = await self._accept_on_thread(
+                        engine, body, api, arrived)
             else:
                 self._hold_wakeups_this_iteration(engine)
                 parsed, request_id, future, input_len = self._accept(engine, body, api, arrived)
@@ -263,9 +265,48 @@ class XrecService:
             raise
         return parsed, request_id, future, valid.input_len
 
+    async def _accept_on_thread(self, engine: EngineFrontend, body: bytes, api: str,
+                                arrived: float) -> tuple[ParsedBody, str, Future, int]:
+        """`_accept` on a worker thread. A handler cancelled meanwhile (Ray Serve's proxy
+        cancels it when the client goes away) cannot stop that thread, so the request the
+        thread submits is cancelled as it is submitted; before, it ran with nobody awaiting it."""
+        submission = _Submission()
+        try:
+            return await asyncio.to_thread(submission.run, self._accept, engine, body, api, arrived)
+        except asyncio.CancelledError:
+            submission.abandon()
+            raise
+
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise NotFound(f"model: got {name!r}, this server serves {self.model_name!r}")
+
+
+class _Submission:
+    """A request submitted on a worker thread for a handler that may be cancelled meanwhile:
+    whichever of the two comes second (the submission, the handler's cancellation) cancels
+    the engine's future."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._future: Future | None = None
+        self._is_abandoned = False
+
+    def run(self, accept: Any, *args: Any) -> tuple[ParsedBody, str, Future, int]:
+        """On the worker thread: `accept(*args)`, whose third value is the engine's future."""
+        accepted = accept(*args)
+        with self._lock:
+            self._future = accepted[2]
+            if self._is_abandoned:
+                self._future.cancel()
+        return accepted
+
+    def abandon(self) -> None:
+        """On the event loop: the handler was cancelled; its request is not wanted."""
+        with self._lock:
+            self._is_abandoned = True
+            if self._future is not None:
+                self._future.cancel()
 
 
 async def _wait_disconnect(request: Request) -> None:
