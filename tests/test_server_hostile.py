@@ -71,6 +71,23 @@ def read_answer(sock: socket.socket) -> tuple[int, dict, dict]:
     return response.status, {k.lower(): v for k, v in response.getheaders()}, json.loads(body)
 
 
+class _OneBuffer:
+    """`sock` for `read_answer`, whose answers are read one after another from one buffer:
+    each http.client response reads ahead into its own, losing an answer that came with it."""
+
+    def __init__(self, sock: socket.socket):
+        self._file = sock.makefile("rb")
+
+    def makefile(self, mode: str) -> _OneBuffer:
+        return self
+
+    def close(self) -> None:
+        pass   # the next answer is still to be read from the buffer
+
+    def __getattr__(self, name: str):
+        return getattr(self._file, name)
+
+
 def assert_error_shape(body: dict, headers: dict, code: str) -> None:
     error = body["error"]
     assert set(error) == {"code", "message", "request_id"} and error["code"] == code, body
@@ -287,6 +304,36 @@ def test_a_pipelined_head_waits_while_the_request_before_it_is_answered(engine, 
             assert_error_shape(body, headers, "DEADLINE_EXCEEDED")
         assert refusals(running.url, "header_timeout") == 1
     finally:
+        running.stop()
+
+
+def test_a_pipelined_head_over_the_limit_is_refused_after_the_answer_before_it(engine, gate):
+    """A client that sends its next request's head, over the head limit, while the one
+    before is still being answered: that answer is its own, then the 431 and the close
+    (before, the 431 was written at once in its place and the answer was dropped)."""
+    running = limited_server(engine)
+    try:
+        with connect(running.port) as sock:
+            data = json.dumps({**VALID, "request_id": "slow-431"})
+            sock.sendall(f"POST {NATIVE} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                         f"\r\nContent-Length: {len(data)}\r\n\r\n{data}".encode())
+            assert gate.entered.wait(WAIT_S), "the slow batch never started"
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (32 << 10)
+                         + b"\r\n\r\n")
+            connections = running.server.server_state.connections
+            assert wait_until(lambda: refusals(running.url, "max_header_bytes") == 1 or any(
+                getattr(c, "_held_refusal", None) for c in list(connections)))   # head read
+            gate.release.set()
+            answers = _OneBuffer(sock)   # the 431 follows at once: http.client reads ahead
+            status, _, answer = read_answer(answers)
+            assert status == 200 and answer["id"] == "slow-431" and answer["results"], answer
+            status, headers, body = read_answer(answers)
+            assert status == 431 and headers["connection"] == "close", body
+            assert_error_shape(body, headers, "PAYLOAD_TOO_LARGE")
+            assert_closed_by_server(sock)
+        assert refusals(running.url, "max_header_bytes") == 1
+    finally:
+        gate.release.set()
         running.stop()
 
 

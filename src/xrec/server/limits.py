@@ -7,7 +7,8 @@ body. `LimitedProtocol` is that protocol with these added, before any byte reach
 app (so before auth):
 
 - `max_header_bytes`: the request line and headers of one request together; past it
-  431 and the connection closes. Counted twice: per received chunk while a head is being
+  431 and the connection closes (once an earlier request of the connection, a pipelining
+  client's, has its own answer). Counted twice: per received chunk while a head is being
   read, so httptools never holds more than the limit plus one read (256 KiB), and as the
   parser hands over the URL and each header (name, value and their separators), so a head
   that ends inside one read is measured too.
@@ -143,6 +144,7 @@ class LimitedProtocol(HttpToolsProtocol):
         self._is_lingering = False     # lingering (refused, or answered with a body unread)
         self._linger_until = 0.0       # loop time at which a lingering connection closes at last
         self._num_dropped = 0          # bytes read and dropped while lingering
+        self._held_refusal: tuple | None = None   # a 431 waiting for the answer before it
 
     # ---- connection ------------------------------------------------------------
 
@@ -166,6 +168,8 @@ class LimitedProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         # uvicorn's data_received (0.54) with the lingering drop in front and a parser
         # callback's 431 (_HeadRefused) ending the read quietly
+        if self._held_refusal is not None:
+            return   # a refused head; reading is paused until the answer before it is out
         if self._is_lingering:
             self._num_dropped += len(data)
             if self._num_dropped > MAX_LINGER_BYTES:
@@ -180,8 +184,8 @@ class LimitedProtocol(HttpToolsProtocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            if self._is_lingering:   # a callback refused the head: nothing more to parse
-                return
+            if self._is_lingering or self._held_refusal is not None:
+                return   # a callback refused the head: nothing more to parse
             # uvicorn answers text/plain; a refusal here has the app's JSON error shape
             self.logger.warning("invalid HTTP request received: %s", exc)
             self._refuse(400, "INVALID_ARGUMENT", f"invalid HTTP request: {exc}", "invalid_http")
@@ -193,7 +197,8 @@ class LimitedProtocol(HttpToolsProtocol):
                 self._unsupported_upgrade_warning()
             return
         if (self._is_reading_head and self._head_bytes > self.limits.max_header_bytes
-                and not self._is_lingering and not self.transport.is_closing()):
+                and not self._is_lingering and self._held_refusal is None
+                and not self.transport.is_closing()):
             self._refuse_head()
 
     def eof_received(self) -> bool | None:
@@ -201,6 +206,15 @@ class LimitedProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        if self._held_refusal is not None:   # a refused head after this answer (_refuse_head)
+            cycle = self.cycle
+            if self.pipeline or not (cycle is None or cycle.response_complete):
+                self.flow.pause_reading()   # a pipelined request still to answer first
+                return
+            refusal, self._held_refusal = self._held_refusal, None
+            if not self.transport.is_closing():
+                self._refuse(*refusal)
+            return
         # lingering after the answer, or the next request's head or body already begun (its
         # own deadline runs): no keep-alive close
         if self._is_lingering or self._deadline is not None:
@@ -286,8 +300,17 @@ class LimitedProtocol(HttpToolsProtocol):
     # ---- refusal ----------------------------------------------------------------------
 
     def _refuse_head(self) -> None:
-        self._refuse(431, "PAYLOAD_TOO_LARGE", f"request line and headers are over the "
-                     f"limit of {self.limits.max_header_bytes} bytes", "max_header_bytes")
+        refusal = (431, "PAYLOAD_TOO_LARGE", f"request line and headers are over the limit "
+                   f"of {self.limits.max_header_bytes} bytes", "max_header_bytes")
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            # an earlier request of this connection (a pipelining client's) is still being
+            # answered: a refusal now would replace its answer, so the 431 follows it
+            self._held_refusal = refusal
+            self._cancel_deadline()
+            self.flow.pause_reading()
+            return
+        self._refuse(*refusal)
 
     def _refuse(self, status: int, code: str, message: str, reason: str) -> None:
         """Answer `status` with the JSON error shape, then linger and close."""
