@@ -337,6 +337,39 @@ def test_a_pipelined_head_over_the_limit_is_refused_after_the_answer_before_it(e
         running.stop()
 
 
+def test_a_pipelining_client_that_leaves_cancels_its_request(engine, gate):
+    """A client that leaves while its request waits, with its next request pipelined behind
+    it: the waiting one is cancelled (dropped from the queue, counted CANCELLED) as for any
+    client that leaves. Before, uvicorn told only the pipelined request, which never started:
+    the one waiting stayed queued, ran, and counted OK, with nobody to read it."""
+    running = limited_server(engine)
+    slow: list = []
+    try:
+        slow_thread = post_in_thread(running.url + NATIVE, {**VALID, "request_id": "slow-left"},
+                                     slow)
+        assert gate.entered.wait(WAIT_S), "the slow batch never started"
+        cancelled = metric(running.url, "xrec_requests_total", api="native", code="CANCELLED")
+        data = json.dumps(VALID)
+        request = (f"POST {NATIVE} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(data)}\r\n\r\n{data}").encode()
+        connections = running.server.server_state.connections
+        with connect(running.port) as sock:
+            sock.sendall(request)
+            assert wait_until(lambda: engine.scheduler.num_waiting == 1), "never queued"
+            sock.sendall(request)   # the next request, pipelined behind the waiting one
+            assert wait_until(lambda: any(c.pipeline for c in list(connections)))
+        assert wait_until(lambda: engine.scheduler.num_waiting == 0), "the request still waits"
+        assert wait_until(lambda: metric(running.url, "xrec_requests_total", api="native",
+                                         code="CANCELLED") == cancelled + 1, interval=0.05)
+        gate.release.set()
+        slow_thread.join(WAIT_S)
+        assert slow and getattr(slow[0], "status_code", slow[0]) == 200
+        assert wait_until(lambda: _service(running).num_in_flight == 0)
+    finally:
+        gate.release.set()
+        running.stop()
+
+
 def test_connections_over_the_cap_are_refused_cleanly(engine):
     running = limited_server(engine, max_connections=4, keep_alive_s=WAIT_S * 4)
     held: list[socket.socket] = []

@@ -25,6 +25,12 @@ app (so before auth):
 - `max_connections`: open connections; the next one is answered 503 and closed at once,
   before it can hold a file descriptor for long.
 
+A client that leaves is seen by every request of its connection not yet answered, so that
+the app cancels them. With a pipelining client uvicorn stopped reading while a pipelined
+request waited its turn, so it never saw the client leave, and told only the newest request
+when it did: the request being answered ran to its end. Here what arrives meanwhile is kept
+(up to `max_header_bytes`, then reading pauses) and parsed once that request's turn comes.
+
 A refusal is the app's JSON error shape (`{"error": {"code", "message", "request_id"}}`,
 with `X-Request-Id`) and `Connection: close`. The connection then lingers: its write
 side is shut and what the client still sends is read and dropped, until the client
@@ -145,6 +151,9 @@ class LimitedProtocol(HttpToolsProtocol):
         self._linger_until = 0.0       # loop time at which a lingering connection closes at last
         self._num_dropped = 0          # bytes read and dropped while lingering
         self._held_refusal: tuple | None = None   # a 431 waiting for the answer before it
+        self._cycles: list[Any] = []   # this connection's requests not yet answered
+        self._stash: list[bytes] = []  # read while a pipelined request waits its turn
+        self._num_stashed = 0          # bytes in the stash
 
     # ---- connection ------------------------------------------------------------
 
@@ -161,6 +170,7 @@ class LimitedProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_deadline()
+        self._disconnect_cycles()
         if self._is_lingering:
             self.shared.num_lingering -= 1
         super().connection_lost(exc)
@@ -176,6 +186,12 @@ class LimitedProtocol(HttpToolsProtocol):
                 self.transport.close()
             else:
                 self._linger()
+            return
+        if self.pipeline or self._stash:   # parsed when the waiting request's turn comes
+            self._stash.append(data)
+            self._num_stashed += len(data)
+            if self._num_stashed > self.limits.max_header_bytes:
+                self.flow.pause_reading()
             return
         if self._is_reading_head:
             self._head_bytes += len(data)
@@ -205,7 +221,11 @@ class LimitedProtocol(HttpToolsProtocol):
         return None  # the transport closes itself (also ends a lingering refusal early)
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        super().on_response_complete()   # starts a pipelined request waiting its turn
+        if self._stash and not self.pipeline:
+            self.loop.call_soon(self._feed_stash)
+        elif self._num_stashed > self.limits.max_header_bytes:
+            self.flow.pause_reading()
         if self._held_refusal is not None:   # a refused head after this answer (_refuse_head)
             cycle = self.cycle
             if self.pipeline or not (cycle is None or cycle.response_complete):
@@ -242,8 +262,13 @@ class LimitedProtocol(HttpToolsProtocol):
         self._add_to_head(len(self.parser.get_method()) + 13)
         self._is_reading_head = False
         self._head_bytes = 0
+        previous = self.cycle
         super().on_headers_complete()
         cycle = self.cycle
+        if cycle is not None and cycle is not previous:   # a request begins, or waits its turn
+            self._cycles = [c for c in self._cycles if not c.response_complete] + [cycle]
+        if self.pipeline and not self._is_lingering:
+            self.flow.resume_reading()   # uvicorn paused it: read on into the stash
         if cycle is not None and cycle.transport is self.transport:
             cycle.transport = _CycleTransport(self, cycle)
         self._arm(self.limits.body_timeout_s, self._body_timed_out)
@@ -315,10 +340,7 @@ class LimitedProtocol(HttpToolsProtocol):
     def _refuse(self, status: int, code: str, message: str, reason: str) -> None:
         """Answer `status` with the JSON error shape, then linger and close."""
         self._count(reason)
-        cycle = self.cycle
-        if cycle is not None:  # the app may be reading this request: it sees a disconnect
-            cycle.disconnected = True
-            cycle.message_event.set()
+        self._disconnect_cycles()   # the app may be reading or answering them
         self.transport.write(_error_bytes(status, code, message, self.server_state.default_headers))
         self._linger_close()
 
@@ -344,6 +366,24 @@ class LimitedProtocol(HttpToolsProtocol):
         self._cancel_deadline()
         delay = min(LINGER_S, self._linger_until - self.loop.time())
         self._deadline = self.loop.call_later(max(0.0, delay), self.transport.close)
+
+    def _feed_stash(self) -> None:
+        """Parse what was read while a pipelined request waited its turn (now begun)."""
+        if self.transport.is_closing() or self.pipeline or not self._stash:
+            return
+        data = b"".join(self._stash)
+        self._stash, self._num_stashed = [], 0
+        self.data_received(data)
+
+    def _disconnect_cycles(self) -> None:
+        """Every request of this connection not yet answered sees a disconnect (the app
+        cancels it): the newest, and with a pipelining client the one being answered."""
+        cycles = [*self._cycles, self.cycle] if self.cycle is not None else self._cycles
+        for cycle in cycles:
+            if not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
+        self._cycles = []
 
     def _count(self, reason: str) -> None:
         if self.shared.refusals is not None:
