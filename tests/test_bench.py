@@ -116,6 +116,34 @@ def test_family_and_size_must_agree(home, tmp_path, capsys):
     assert "not of --family qwen3" in capsys.readouterr().err
 
 
+TINY = ["--size", "tiny-mha", "--items", "2000", "--no-progress"]
+
+
+@pytest.mark.parametrize("flags", [
+    ["offline", "--contenders", "xrec", "--repeats", "0"],
+    ["offline", "--contenders", "xrec,hf", "--repeats", "1", "--hf-repeats", "0"],
+    ["offline", "--contenders", "xrec", "--repeats", "1", "--num-requests", "0"],
+    ["offline", "--contenders", "xrec", "--repeats", "1", "--threads", "-1"],
+    ["offline", "--contenders", "xrec", "--repeats", "1", "--warmup", "-1"],
+    ["breakdown", "--beam-width", "4", "--length", "16", "--num-requests", "2", "--repeats", "0"],
+    ["embedded", "--beam-width", "4", "--length", "16", "--num-requests", "2", "--repeats", "1",
+     "--conditions", "alone", "--isolations", "thread", "--rounds", "0"],
+    ["contention", "--workloads", "serve", "--beam-width", "4", "--length", "16",
+     "--num-requests", "2", "--seconds", "0.1", "--rounds", "0"],
+], ids=lambda flags: f"{flags[0]} {' '.join(flags[-2:])}")
+def test_counts_below_one_are_refused_before_running(home, tmp_path, capsys, flags):
+    """Zero or negative runs, requests, rounds or threads: an argument error before anything
+    runs (they crashed with a traceback, printed rows of no runs or a row without HF, or
+    ran the default rounds)."""
+    command, *rest = flags
+    with pytest.raises(SystemExit):
+        main([command, *TINY, "--beam-widths", "4", "--lengths", "16", "--num-requests", "2",
+              "--out", str(tmp_path), *rest] if command == "offline" else
+             [command, *TINY, "--out", str(tmp_path), *rest])
+    assert f"{flags[-2]}: expected an integer >= " in capsys.readouterr().err
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
 def test_offline_rejects_unknown_contender(home, tmp_path, capsys):
     assert main(["offline", "--quick", "--out", str(tmp_path), "--contenders", "xrec,vllm"]) == 1
     assert "vllm" in capsys.readouterr().err

@@ -40,6 +40,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
+def _count(text: str) -> int:
+    """A count of runs, requests, rows, tokens or threads: an integer >= 1."""
+    return _int_at_least(text, 1)
+
+
+def _count0(text: str) -> int:
+    """A count that may be 0 (warm-up runs, the online row's clients): an integer >= 0."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
 def _ints(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -97,13 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "--family qwen3)")
         p.add_argument("--model", help="an existing model directory (with a catalog) instead of "
                        "a random model of --size")
-        p.add_argument("--items", type=int, default=100_000, help="random catalog size")
+        p.add_argument("--items", type=_count, default=100_000, help="random catalog size")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--out", default="bench-results", help="output directory")
-        p.add_argument("--warmup", type=int, default=1, help="warm-up runs per contender (the last "
+        p.add_argument("--warmup", type=_count0, default=1, help="warm-up runs per contender (the last "
                        "one measures peak memory and gives the results that are compared)")
-        p.add_argument("--repeats", type=int, default=5, help="measured runs per contender")
-        p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+        p.add_argument("--repeats", type=_count, default=5, help="measured runs per contender")
+        p.add_argument("--threads", type=_count, help="torch intra-op threads (default: torch's)")
         p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
         p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                        help="xrec's dtype (default: the engine's 'auto': bfloat16 where the "
@@ -118,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated among xrec, xrec-full, xrec-filter, xrec-fp32 (xrec in "
                             "float32 whatever --dtype says), hf, naive "
                             f"(default {default})")
-        p.add_argument("--hf-repeats", type=int, default=None,
+        p.add_argument("--hf-repeats", type=_count, default=None,
                        help="measured runs of the slow contenders hf and naive "
                             "(default: --repeats, at most 3)")
 
@@ -142,15 +172,15 @@ def build_parser() -> argparse.ArgumentParser:
                          help="--case gr-inference: prompt lengths (default 1000,5000)")
     offline.add_argument("--batches", type=_ints, default=None,
                          help="--case gr-inference: requests per batch (default 1,8)")
-    offline.add_argument("--beam-width", type=int, default=None,
+    offline.add_argument("--beam-width", type=_count, default=None,
                          help="--case gr-inference: beam width (default 256)")
-    offline.add_argument("--online-concurrency", type=int, default=4,
+    offline.add_argument("--online-concurrency", type=_count0, default=4,
                          help="--case gr-inference: requests in flight of the online row (0: none)")
-    offline.add_argument("--online-requests", type=int, default=32,
+    offline.add_argument("--online-requests", type=_count, default=32,
                          help="--case gr-inference: requests of the online row")
     offline.add_argument("--beam-widths", type=_ints, default=[64, 128, 256, 512])
     offline.add_argument("--lengths", type=_ints, default=[128, 512, 1024])
-    offline.add_argument("--num-requests", type=int, default=8)
+    offline.add_argument("--num-requests", type=_count, default=8)
     # 11 runs keep one noisy run off the median (docs/decisions.md, Benchmarks)
     offline.set_defaults(run=_run("offline"), repeats=11)
 
@@ -166,9 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     breakdown = sub.add_parser("breakdown", help="where a step's time goes (torch.profiler)")
     common(breakdown)
-    breakdown.add_argument("--beam-width", type=int, default=128)
-    breakdown.add_argument("--length", type=int, default=256)
-    breakdown.add_argument("--num-requests", type=int, default=16)
+    breakdown.add_argument("--beam-width", type=_count, default=128)
+    breakdown.add_argument("--length", type=_count, default=256)
+    breakdown.add_argument("--num-requests", type=_count, default=16)
     breakdown.set_defaults(run=_run("breakdown"))
 
     serve = sub.add_parser("serve", help="open-loop HTTP load against `xrec serve`")
@@ -176,39 +206,39 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--url", help="an already running server (default: start `xrec serve`)")
     serve.add_argument("--rates", type=_floats, default=[2.0, 5.0, 10.0],
                        help="Poisson arrival rates, requests/s")
-    serve.add_argument("--duration", type=float, default=20.0, help="seconds of load per rate")
-    serve.add_argument("--beam-width", type=int, default=128)
-    serve.add_argument("--length", type=int, default=256)
+    serve.add_argument("--duration", type=_seconds, default=20.0, help="seconds of load per rate")
+    serve.add_argument("--beam-width", type=_count, default=128)
+    serve.add_argument("--length", type=_count, default=256)
     serve.add_argument("--large", type=_ints, default=[512, 1024],
                        help="W,L of the large requests in the mixed load")
     serve.add_argument("--large-fraction", type=float, default=0.2)
     serve.add_argument("--concurrency", type=_ints, default=[1, 2],
                        help="server --max-concurrency values to compare")
-    serve.add_argument("--num-requests", type=int, default=16,
+    serve.add_argument("--num-requests", type=_count, default=16,
                        help="requests of the server-vs-offline comparison")
     serve.add_argument("--batch-wait-ms", type=float, default=0.0,
                        help="engine option of the server and of the offline engine: how long a "
                             "free pipeline may hold a partial batch to fill it")
-    serve.add_argument("--startup-timeout", type=float, default=120.0)
+    serve.add_argument("--startup-timeout", type=_seconds, default=120.0)
     serve.add_argument("--ray", action="store_true", help="plain `xrec serve` next to the Ray "
                        "Serve app with --replicas (bench/serve_ray.py)")
     serve.add_argument("--replicas", type=_ints, default=[1, 2], help="with --ray: replica counts")
-    serve.add_argument("--clients", type=int, default=8, help="with --ray: closed-loop clients")
+    serve.add_argument("--clients", type=_count, default=8, help="with --ray: closed-loop clients")
     # one comparison run is one short burst: 15 keep a noisy run off the median (docs/decisions.md, Benchmarks)
     serve.set_defaults(run=_run_serve, repeats=15)
     batch = sub.add_parser("batch", help="xrec batch rows/s: in process and --ray vs the Engine")
     common(batch)
     batch.add_argument("--contenders", type=_names, default=None,
                        help="comma-separated among engine, batch, ray (default all)")
-    batch.add_argument("--rows", type=int, default=100_000)
-    batch.add_argument("--engine-rows", type=int, default=20_000,
+    batch.add_argument("--rows", type=_count, default=100_000)
+    batch.add_argument("--engine-rows", type=_count, default=20_000,
                        help="rows of the engine contender (the first of the same file)")
     batch.add_argument("--lengths", type=_ints, default=[8, 64], help="min,max input tokens")
-    batch.add_argument("--beam-width", type=int, default=16)
-    batch.add_argument("--num-results", type=int, default=None)
-    batch.add_argument("--chunk-rows", type=int, default=1024)
+    batch.add_argument("--beam-width", type=_count, default=16)
+    batch.add_argument("--num-results", type=_count, default=None)
+    batch.add_argument("--chunk-rows", type=_count, default=1024)
     batch.add_argument("--input-format", choices=("parquet", "jsonl"), default="parquet")
-    batch.add_argument("--actors", type=int, default=None, help="ray: actors (default: derived)")
+    batch.add_argument("--actors", type=_count, default=None, help="ray: actors (default: derived)")
     batch.add_argument("--actor-cpus", type=float, default=None)
     batch.set_defaults(run=_run("batch"), repeats=1)
     roofline = sub.add_parser("roofline", help="FLOP/s against this machine's GEMM peak, per "
@@ -229,14 +259,14 @@ def build_parser() -> argparse.ArgumentParser:
     embedded = sub.add_parser("embedded", help="the engine in a host that runs its own torch "
                               "work: isolation thread vs process")
     common(embedded)
-    embedded.add_argument("--beam-width", type=int, default=128)
-    embedded.add_argument("--length", type=int, default=256)
-    embedded.add_argument("--num-requests", type=int, default=16)
+    embedded.add_argument("--beam-width", type=_count, default=128)
+    embedded.add_argument("--length", type=_count, default=256)
+    embedded.add_argument("--num-requests", type=_count, default=16)
     embedded.add_argument("--conditions", type=_names, default=["alone", "main-op", "host-loop"],
                           help="host conditions among alone, main-op, host-loop")
     embedded.add_argument("--isolations", type=_names, default=["thread", "process"],
                           help="isolation modes among thread, process")
-    embedded.add_argument("--rounds", type=int, default=None,
+    embedded.add_argument("--rounds", type=_count, default=None,
                           help="times every row runs, in turn (a fresh process each); each "
                                "row reports the median over rounds (default 3, --quick 1)")
     embedded.set_defaults(run=_run("embedded"), repeats=7)
@@ -245,14 +275,14 @@ def build_parser() -> argparse.ArgumentParser:
     common(contention)
     contention.add_argument("--workloads", type=_names, default=["serve", "batch", "train"],
                             help="comma-separated among serve, batch, train")
-    contention.add_argument("--beam-width", type=int, default=128)
-    contention.add_argument("--length", type=int, default=256)
-    contention.add_argument("--num-requests", type=int, default=16,
+    contention.add_argument("--beam-width", type=_count, default=128)
+    contention.add_argument("--length", type=_count, default=256)
+    contention.add_argument("--num-requests", type=_count, default=16,
                             help="serve: requests per batch")
-    contention.add_argument("--rows", type=int, default=800, help="batch: rows of the file")
-    contention.add_argument("--seconds", type=float, default=8.0,
+    contention.add_argument("--rows", type=_count, default=800, help="batch: rows of the file")
+    contention.add_argument("--seconds", type=_seconds, default=8.0,
                             help="serve, train: seconds of runs per measurement")
-    contention.add_argument("--rounds", type=int, default=3,
+    contention.add_argument("--rounds", type=_count, default=3,
                             help="times every row runs, in turn (a fresh process each)")
     contention.set_defaults(run=_run("contention"))
     return parser
