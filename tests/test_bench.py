@@ -276,6 +276,15 @@ def test_embedded_quick_writes_its_table(home, tmp_path):
     assert files[".md"].read_text().startswith("## xrec bench embedded")
 
 
+@pytest.mark.parametrize("flags", [["--conditions", "alone,busy"], ["--isolations", "fork"]])
+def test_embedded_refuses_unknown_conditions_and_isolations(home, tmp_path, capsys, flags):
+    """An unknown host condition was measured as `alone` under its own name; an unknown
+    isolation failed in the measuring process (a RuntimeError traceback)."""
+    assert main(["embedded", "--quick", "--out", str(tmp_path), "--no-progress", *flags]) == 1
+    assert f"{flags[0]}: unknown ['{flags[1].split(',')[-1]}']" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the neighbour takes one of 2+ CPUs")
 def test_contention_quick_measures_both_policies_beside_a_neighbour(home, tmp_path):
     """Each measurement in a fresh process, idle and beside a spinning neighbour, for both

@@ -42,6 +42,11 @@ LATENCY_RUNS = 21
 
 
 def run(args: argparse.Namespace) -> int:
+    for flag, names, allowed in (("--conditions", args.conditions, CONDITIONS),
+                                 ("--isolations", args.isolations, ISOLATIONS)):
+        unknown = sorted(set(names) - set(allowed))
+        if unknown or not names:
+            raise ValueError(f"{flag}: unknown {unknown}, allowed: {', '.join(allowed)}")
     model_dir = model_dir_of(args)
     args.rounds = args.rounds or 3
     base = {"model_dir": str(model_dir), "beam_width": args.beam_width, "length": args.length,
