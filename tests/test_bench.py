@@ -276,6 +276,19 @@ def test_embedded_quick_writes_its_table(home, tmp_path):
     assert files[".md"].read_text().startswith("## xrec bench embedded")
 
 
+def test_embedded_without_the_alone_thread_row_has_no_ratio(home, tmp_path):
+    """Throughput vs xrec alone is read against the alone, in-thread row; without it the
+    first row was its own yardstick and read 1.00 (main-op: the target 'met')."""
+    assert main(["embedded", "--quick", "--out", str(tmp_path), "--no-progress",
+                 "--conditions", "main-op", "--isolations", "thread"]) == 0
+    record = json.loads(next(tmp_path.glob("*.json")).read_text())
+    (row,) = record["rows"]
+    assert row["condition"] == "main-op" and row["batch_ms"] > 0
+    assert row["throughput_vs_alone"] is None
+    assert "| main-op | thread |" in next(tmp_path.glob("*.md")).read_text()
+    assert "not measured" in next(tmp_path.glob("*.md")).read_text()
+
+
 @pytest.mark.parametrize("flags", [["--conditions", "alone,busy"], ["--isolations", "fork"]])
 def test_embedded_refuses_unknown_conditions_and_isolations(home, tmp_path, capsys, flags):
     """An unknown host condition was measured as `alone` under its own name; an unknown
