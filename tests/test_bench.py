@@ -317,6 +317,60 @@ def test_contention_quick_measures_both_policies_beside_a_neighbour(home, tmp_pa
     assert main(["contention", "--quick", "--out", str(tmp_path), "--workloads", "nap"]) == 1
 
 
+def _spinning_children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` and that run contention's spinning neighbour."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if parent == pid and b"while True" in (stat.parent / "cmdline").read_bytes():
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_contention_neighbour_ends_on_ctrl_c_while_it_settles():
+    """Ctrl-C (SIGINT to the bench alone) while the busy neighbour settles, before the
+    measuring process starts: the neighbour is killed with the measurement (it spun on a
+    core after the bench had exited)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = ("from xrec.bench.contention import _measure_in_fresh_process\n"
+              "_measure_in_fresh_process({}, busy=True)\n")
+    bench = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.DEVNULL)
+    spinners: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not spinners and bench.poll() is None and time.monotonic() < deadline:
+            spinners = _spinning_children(bench.pid)
+            time.sleep(0.005)
+        assert spinners, "the neighbour never started"
+        bench.send_signal(signal.SIGINT)   # the neighbour settles for 0.5 s: this lands there
+        assert bench.wait(timeout=60) != 0
+        deadline = time.monotonic() + 10
+        while _is_running(spinners[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _is_running(spinners[0]), "the busy neighbour outlived the bench"
+    finally:
+        for pid in spinners:
+            if _is_running(pid):
+                os.kill(pid, signal.SIGKILL)
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+
+
 GR_SMALL = ["offline", "--family", "qwen3", "--case", "gr-inference", "--size", "qwen3-sid-test",
             "--contexts", "16,32", "--batches", "1,2", "--beam-width", "8", "--items", "300",
             "--repeats", "2", "--hf-repeats", "1", "--online-requests", "8", "--no-progress"]

@@ -81,11 +81,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure_in_fresh_process(setting: dict, busy: bool) -> float:
     neighbour = None
-    if busy:
-        cpu = max(os.sched_getaffinity(0))
-        neighbour = subprocess.Popen([sys.executable, "-c", SPIN, str(cpu)])
-        time.sleep(0.5)
     try:
+        if busy:   # killed below whatever ends the measurement, Ctrl-C while it settles included
+            cpu = max(os.sched_getaffinity(0))
+            neighbour = subprocess.Popen([sys.executable, "-c", SPIN, str(cpu)])
+            time.sleep(0.5)
         done = subprocess.run([sys.executable, "-m", "xrec.bench.contention", json.dumps(setting)],
                               capture_output=True, text=True, check=False)
     finally:
