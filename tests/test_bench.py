@@ -317,6 +317,20 @@ def test_contention_quick_measures_both_policies_beside_a_neighbour(home, tmp_pa
     assert main(["contention", "--quick", "--out", str(tmp_path), "--workloads", "nap"]) == 1
 
 
+def test_batch_error_rows_are_not_answers(home, tmp_path):
+    """Rows the engine refuses (longer than the model takes) are written as error records
+    at once: rows/s counts the rows answered, and the table shows the errors (it read
+    hundreds of rows/s of nothing)."""
+    assert main(["batch", "--quick", "--out", str(tmp_path), "--no-progress",
+                 "--contenders", "batch", "--lengths", "9000,9000"]) == 0
+    record = json.loads(next(tmp_path.glob("*.json")).read_text())
+    result = record["results"]["batch"]
+    assert result["rows"] == result["errors"] == 200
+    assert result["rows_per_s"] == 0.0
+    table = next(tmp_path.glob("*.md")).read_text()
+    assert "| contender | rows | errors |" in table and "| batch | 200 | 200 |" in table
+
+
 def _spinning_children(pid: int) -> list[int]:
     """Processes whose parent is `pid` and that run contention's spinning neighbour."""
     found = []
