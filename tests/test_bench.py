@@ -144,6 +144,19 @@ def test_counts_below_one_are_refused_before_running(home, tmp_path, capsys, fla
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
+def test_out_that_is_a_file_is_refused_before_running(tmp_path, capsys, monkeypatch):
+    """--out naming a file: an argument error before any model is built or run (the whole
+    benchmark ran, then its results could not be written)."""
+    monkeypatch.setenv("XREC_HOME", str(tmp_path / "home"))
+    (tmp_path / "taken").write_text("not a directory")
+    with pytest.raises(SystemExit):
+        main(["offline", "--quick", "--no-progress", "--contenders", "xrec",
+              "--out", str(tmp_path / "taken")])
+    assert "--out" in capsys.readouterr().err
+    assert not (tmp_path / "home").exists()
+    assert (tmp_path / "taken").read_text() == "not a directory"
+
+
 def test_offline_rejects_unknown_contender(home, tmp_path, capsys):
     assert main(["offline", "--quick", "--out", str(tmp_path), "--contenders", "xrec,vllm"]) == 1
     assert "vllm" in capsys.readouterr().err

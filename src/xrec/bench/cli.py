@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from xrec.bench.lib.models import BENCH_SIZES, QUICK_SIZE
@@ -33,6 +34,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.size = args.size or default_size
     if BENCH_SIZES[args.size].is_encoder_decoder != (args.family == "onerec"):
         parser.error(f"--size {args.size} is not of --family {args.family}")
+    try:   # now, not after minutes of measuring: results that cannot be written are lost
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--out {args.out}: cannot be the output directory ({e.strerror})")
     try:
         return args.run(args) or 0
     except (ValueError, OSError) as e:
