@@ -364,10 +364,11 @@ def _is_running(pid: int) -> bool:
         return False
 
 
-def test_contention_neighbour_ends_on_ctrl_c_while_it_settles():
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGKILL"])
+def test_contention_neighbour_ends_with_the_bench(signal_name):
     """Ctrl-C (SIGINT to the bench alone) while the busy neighbour settles, before the
-    measuring process starts: the neighbour is killed with the measurement (it spun on a
-    core after the bench had exited)."""
+    measuring process starts, or the bench killed outright (a timeout's SIGKILL): the
+    neighbour ends with it (it spun on a core after the bench had exited)."""
     import signal
     import subprocess
     import sys
@@ -383,7 +384,7 @@ def test_contention_neighbour_ends_on_ctrl_c_while_it_settles():
             spinners = _spinning_children(bench.pid)
             time.sleep(0.005)
         assert spinners, "the neighbour never started"
-        bench.send_signal(signal.SIGINT)   # the neighbour settles for 0.5 s: this lands there
+        bench.send_signal(getattr(signal, signal_name))   # the neighbour settles for 0.5 s
         assert bench.wait(timeout=60) != 0
         deadline = time.monotonic() + 10
         while _is_running(spinners[0]) and time.monotonic() < deadline:

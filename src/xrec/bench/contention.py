@@ -38,7 +38,13 @@ WORKLOADS = ("serve", "batch", "train")
 POLICIES = ("fixed", "adaptive")
 NEIGHBOURS = ("idle", "busy")
 TARGET = 0.4
-SPIN = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True:\n    pass\n"
+# the busy neighbour: spins on CPU argv[1]; the kernel kills it when its parent, the bench
+# (pid argv[2]), ends however it ends (PR_SET_PDEATHSIG: SIGTERM, SIGKILL, a crash)
+SPIN = ("import ctypes, os, signal, sys\n"
+        "ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"
+        "if os.getppid() != int(sys.argv[2]):\n    sys.exit()\n"
+        "os.sched_setaffinity(0, {int(sys.argv[1])})\n"
+        "while True:\n    pass\n")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,7 +90,7 @@ def _measure_in_fresh_process(setting: dict, busy: bool) -> float:
     try:
         if busy:   # killed below whatever ends the measurement, Ctrl-C while it settles included
             cpu = max(os.sched_getaffinity(0))
-            neighbour = subprocess.Popen([sys.executable, "-c", SPIN, str(cpu)])
+            neighbour = subprocess.Popen([sys.executable, "-c", SPIN, str(cpu), str(os.getpid())])
             time.sleep(0.5)
         done = subprocess.run([sys.executable, "-m", "xrec.bench.contention", json.dumps(setting)],
                               capture_output=True, text=True, check=False)
