@@ -271,6 +271,16 @@ def test_serve_quick_against_xrec_serve(home, tmp_path):
         assert load["errors"] == {} and load["ok"] == load["sent"]
 
 
+def _assert_environment_from_the_start(record: dict, written: Path) -> None:
+    """The environment (its date, the load average "at start") was taken before the
+    measurement, not with the end's: these runs start several fresh processes, so their
+    start lies well over a second before the record is written."""
+    import datetime as dt
+
+    started = dt.datetime.fromisoformat(record["environment"]["date"]).timestamp()
+    assert written.stat().st_mtime - started > 1.5
+
+
 def test_embedded_quick_writes_its_table(home, tmp_path):
     """Each row in a fresh process, both isolation modes, and the transport measured in
     one process holding both engines."""
@@ -287,6 +297,7 @@ def test_embedded_quick_writes_its_table(home, tmp_path):
     transport = record["transport"]
     assert transport["thread_p50_ms"] > 0 and transport["process_p50_ms"] > 0
     assert files[".md"].read_text().startswith("## xrec bench embedded")
+    _assert_environment_from_the_start(record, files[".json"])
 
 
 def test_embedded_without_the_alone_thread_row_has_no_ratio(home, tmp_path):
@@ -327,6 +338,7 @@ def test_contention_quick_measures_both_policies_beside_a_neighbour(home, tmp_pa
         assert row["idle"] > 0 and row["busy"] > 0
         assert row["busy_vs_fixed_idle"] == pytest.approx(row["busy"] / fixed["idle"])
     assert files[".md"].read_text().startswith("## xrec bench contention")
+    _assert_environment_from_the_start(record, files[".json"])
     assert main(["contention", "--quick", "--out", str(tmp_path), "--workloads", "nap"]) == 1
 
 

@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
             "length": args.length, "num_requests": args.num_requests, "rows": args.rows,
             "seconds": args.seconds, "threads": args.threads or len(os.sched_getaffinity(0)),
             "seed": args.seed, **dtype_option(args)}
+    env = environment("cpu")   # the load average and date at the start
     cases = [(w, p, n) for w in args.workloads for p in POLICIES for n in NEIGHBOURS]
     results: dict[tuple, list[float]] = {case: [] for case in cases}
     for index in range(args.rounds):
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
                          "busy_rounds": results[(workload, policy, "busy")],
                          "busy_vs_idle": busy / idle, "busy_vs_fixed_idle": busy / fixed_idle,
                          "met": busy / fixed_idle >= TARGET})
-    record = {"benchmark": "contention", "environment": environment("cpu"),
+    record = {"benchmark": "contention", "environment": env,
               "settings": {"size": args.size, **{k: v for k, v in base.items() if k != "model_dir"},
                            "rounds": args.rounds, "target": TARGET},
               "rows": rows}

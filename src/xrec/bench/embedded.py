@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
         if unknown or not names:
             raise ValueError(f"{flag}: unknown {unknown}, allowed: {', '.join(allowed)}")
     model_dir = model_dir_of(args)
+    env = environment(args.device)   # the load average and date at the start
     args.rounds = args.rounds or 3
     base = {"model_dir": str(model_dir), "beam_width": args.beam_width, "length": args.length,
             "num_requests": args.num_requests, "repeats": args.repeats, "warmup": args.warmup,
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if set(ISOLATIONS) <= set(args.isolations):
         print("xrec bench embedded: transport overhead", file=sys.stderr)
         transport = _measure_in_fresh_process({**base, "condition": "transport"})
-    record = {"benchmark": "embedded", "environment": environment(args.device),
+    record = {"benchmark": "embedded", "environment": env,
               "settings": {"size": args.size, "items": args.items, "beam_width": args.beam_width,
                            "length": args.length, "num_requests": args.num_requests,
                            "repeats": args.repeats, "rounds": args.rounds,
