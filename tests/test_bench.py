@@ -18,7 +18,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
 from xrec.bench.cli import main  # noqa: E402
-from xrec.bench.lib.common import markdown_table, percentile, summarize  # noqa: E402
+from xrec.bench.lib.common import (markdown_table, output_paths, percentile,  # noqa: E402
+                                   summarize, write_outputs)
 from xrec.bench.lib.contenders import build_trie, overlap, prefix_allowed_tokens  # noqa: E402
 from xrec.bench.serve import Sent, arrivals, summarize_load  # noqa: E402
 
@@ -528,6 +529,20 @@ def test_statistics():
     row = summarize([0.2, 0.1, 0.3], [0.1] * 3 + [0.2] * 3, num_requests=4)
     assert row["median_ms"] == pytest.approx(200.0) and row["requests_per_s"] == pytest.approx(20.0)
     assert markdown_table(["a", "b"], [[1, 0.12345]]).splitlines()[2] == "| 1 | 0.123 |"
+
+
+def test_runs_in_the_same_second_keep_their_own_outputs(tmp_path):
+    """Output names carry the second the run ended: a second run ending in the same second
+    wrote over the first one's JSON and Markdown."""
+    written = []
+    for run in (1, 2):
+        paths = output_paths(tmp_path, "offline")
+        write_outputs(paths, {"run": run}, lambda record: f"## run {record['run']}")
+        written.append(paths)
+    assert written[0]["json"] != written[1]["json"]
+    for run, paths in enumerate(written, 1):
+        assert json.loads(paths["json"].read_text()) == {"run": run}
+        assert paths["md"].read_text() == f"## run {run}\n"
 
 
 def test_poisson_arrivals_and_load_summary():

@@ -184,11 +184,20 @@ def _trim_heap() -> None:
 # ---- output -----------------------------------------------------------------------------
 
 def output_paths(out_dir: str | os.PathLike, name: str) -> dict[str, Path]:
-    """`<out>/<name>-<timestamp>.{json,md,png}` (the directory is created)."""
+    """`<out>/<name>-<timestamp>.{json,md,png}` (the directory is created); a run that ends
+    in the same second as another takes `<name>-<timestamp>-2`, and so on: the JSON file
+    is claimed here, so no run writes over another's results."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return {ext: out / f"{name}-{stamp}.{ext}" for ext in ("json", "md", "png")}
+    stamp = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    for attempt in range(1, 1000):
+        base = stamp if attempt == 1 else f"{stamp}-{attempt}"
+        try:
+            (out / f"{base}.json").open("x").close()
+        except FileExistsError:
+            continue
+        return {ext: out / f"{base}.{ext}" for ext in ("json", "md", "png")}
+    raise OSError(f"{out}: no free name for {stamp}.json")
 
 
 def write_outputs(paths: dict[str, Path], record: dict, render: Callable[[dict], str]) -> None:
