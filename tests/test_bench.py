@@ -158,6 +158,16 @@ def test_out_that_is_a_file_is_refused_before_running(tmp_path, capsys, monkeypa
     assert (tmp_path / "taken").read_text() == "not a directory"
 
 
+@pytest.mark.parametrize("case", ["filter", "target1"])
+def test_offline_quick_with_a_case_is_refused(home, tmp_path, capsys, case):
+    """--quick replaced --case with the tiny grid: `--quick --case filter` ran xrec, xrec-full,
+    hf and naive, no filtered row, and wrote an `offline-` record as if the case had run."""
+    with pytest.raises(SystemExit):
+        main(["offline", "--quick", "--no-progress", "--case", case, "--out", str(tmp_path)])
+    assert f"--case {case}" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
 def test_offline_rejects_unknown_contender(home, tmp_path, capsys):
     assert main(["offline", "--quick", "--out", str(tmp_path), "--contenders", "xrec,vllm"]) == 1
     assert "vllm" in capsys.readouterr().err

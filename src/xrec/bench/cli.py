@@ -28,6 +28,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     default_size, quick_size = FAMILY_SIZES[args.family]
     args.is_size_given = args.size is not None   # --case gr-inference: its own default on CUDA
+    if args.quick and getattr(args, "case", None):   # --quick ran the tiny grid in its place
+        parser.error(f"--quick runs the tiny grid, not a --case: leave out --quick or --case "
+                     f"{args.case} (--case gr-inference scales down with --size, --contexts, "
+                     f"--batches, --beam-width)")
     if args.quick:
         apply_quick(args)
         args.size = quick_size
@@ -300,7 +304,7 @@ def apply_quick(args: argparse.Namespace) -> None:
     if getattr(args, "hf_repeats", None) is None and hasattr(args, "hf_repeats"):
         args.hf_repeats = 1
     if args.command == "offline":
-        args.case, args.beam_widths, args.lengths, args.num_requests = None, [4, 16], [16], 2
+        args.beam_widths, args.lengths, args.num_requests = [4, 16], [16], 2
     elif args.command == "scaling":
         args.beam_widths, args.lengths, args.batch_sizes, args.base = [4, 8], [8, 32], [1, 2], [8, 16]
     elif args.command == "breakdown":
