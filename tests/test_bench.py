@@ -555,6 +555,20 @@ def test_runs_in_the_same_second_keep_their_own_outputs(tmp_path):
         assert paths["md"].read_text() == f"## run {run}\n"
 
 
+def test_a_plot_that_fails_loses_no_results(tmp_path):
+    """The JSON file is claimed when the paths are chosen; the plot ran before the results
+    were written, so a plot that raised left that file empty and lost the measurement."""
+    paths = output_paths(tmp_path, "offline")
+
+    def failing_plot(path):
+        raise RuntimeError("the plot failed")
+
+    with pytest.raises(RuntimeError, match="the plot failed"):
+        write_outputs(paths, {"run": 1}, lambda record: "## run 1", draw=failing_plot)
+    assert json.loads(paths["json"].read_text()) == {"run": 1}
+    assert paths["md"].read_text() == "## run 1\n"
+
+
 def test_poisson_arrivals_and_load_summary():
     times = arrivals(rate=50.0, duration_s=20.0, seed=1)
     assert np.all(np.diff(times) > 0) and times[-1] < 20.0

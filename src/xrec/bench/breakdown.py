@@ -97,8 +97,7 @@ def run(args: argparse.Namespace) -> int:
                            **workload.key},
               "modes": modes}
     paths = output_paths(args.out, "breakdown")
-    plot(modes, paths["png"])
-    write_outputs(paths, record, markdown)
+    write_outputs(paths, record, markdown, draw=lambda path: plot(modes, path))
     return 0
 
 

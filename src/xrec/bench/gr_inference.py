@@ -208,8 +208,7 @@ def run(args: argparse.Namespace) -> int:
                            "rounds": 3, "prefix_cache": PREFIX_CACHE},
               "points": points, "top1_vs_fp32": agreement, "online": online_row}
     paths = output_paths(args.out, "offline-gr-inference")
-    plot(points, paths["png"])
-    write_outputs(paths, record, markdown)
+    write_outputs(paths, record, markdown, draw=lambda path: plot(points, path))
     return 1 if any("error" in p for p in points) else 0
 
 

@@ -72,8 +72,7 @@ def run(args: argparse.Namespace) -> int:
                            "slow_repeats": slow_repeats, "contenders": names},
               "points": results}
     paths = output_paths(args.out, "offline" + (f"-{args.case}" if args.case else ""))
-    plot(results, paths["png"])
-    write_outputs(paths, record, markdown)
+    write_outputs(paths, record, markdown, draw=lambda path: plot(results, path))
     return 0
 
 

@@ -125,8 +125,7 @@ def run(args: argparse.Namespace) -> int:
                            "repeats": args.repeats, "threads": threads, "dtypes": dtypes},
               "workloads": results}
     paths = output_paths(args.out, "roofline")
-    plot(results, paths["png"])
-    write_outputs(paths, record, markdown)
+    write_outputs(paths, record, markdown, draw=lambda path: plot(results, path))
     return 0
 
 

@@ -62,8 +62,7 @@ def run(args: argparse.Namespace) -> int:
                            "slow_repeats": slow_repeats, "contenders": names, "base": args.base},
               "points": results}
     paths = output_paths(args.out, "scaling")
-    plot(results, paths["png"])
-    write_outputs(paths, record, markdown)
+    write_outputs(paths, record, markdown, draw=lambda path: plot(results, path))
     return 0
 
 

@@ -198,8 +198,7 @@ def run(args: argparse.Namespace) -> int:
                            "batch_wait_ms": args.batch_wait_ms},
               "server_vs_offline": versus, "load": loads}
     paths = output_paths(args.out, "serve")
-    plot(loads, paths["png"])
-    write_outputs(paths, record, markdown)
+    write_outputs(paths, record, markdown, draw=lambda path: plot(loads, path))
     return 0
 
 

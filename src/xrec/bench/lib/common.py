@@ -200,14 +200,19 @@ def output_paths(out_dir: str | os.PathLike, name: str) -> dict[str, Path]:
     raise OSError(f"{out}: no free name for {stamp}.json")
 
 
-def write_outputs(paths: dict[str, Path], record: dict, render: Callable[[dict], str]) -> None:
-    """Note the load at the end, write the JSON record and its Markdown `render`ing, print it."""
+def write_outputs(paths: dict[str, Path], record: dict, render: Callable[[dict], str],
+                  draw: Callable[[Path], None] | None = None) -> None:
+    """Note the load at the end, write the JSON record and its Markdown `render`ing, print it,
+    then `draw` the plot into `paths["png"]`: the results are on disk before the plot runs,
+    so a plot that fails loses none of them."""
     if "environment" in record:
         record["environment"]["load_avg_1m_end"] = _load_avg()
     markdown = render(record)
     paths["json"].write_text(json.dumps(record, indent=2, default=_json_default) + "\n")
     paths["md"].write_text(markdown + "\n")
     print(markdown)
+    if draw is not None:
+        draw(paths["png"])
     written = [str(p) for p in paths.values() if p.exists()]
     print("\nwrote " + ", ".join(written))
 
