@@ -287,6 +287,22 @@ def test_cli_refusals(tmp_path, model_dir, capsys):
     assert "not allowed with argument" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, names", [
+    (["--actors", "4"], "--actors"),
+    (["--address", "127.0.0.1:1", "--actor-cpus", "2", "--actor-gpus", "0"],
+     "--address, --actor-cpus, --actor-gpus")])
+def test_ray_flags_without_ray_are_refused(tmp_path, model_dir, capsys, flags, names):
+    """`--actors 4` (or --address, --actor-cpus, --actor-gpus) without --ray ran one engine in
+    process, wrote the output and exited 0: the flag was ignored without a word."""
+    source = write_jsonl(tmp_path / "in.jsonl", token_rows(2))
+    assert xrec_main(["batch", "--input", str(source), "--output", str(tmp_path / "o"), "--model",
+                      str(model_dir), "--no-progress", *flags]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"xrec batch: error: {names}: only with --ray (without it, `xrec batch` runs one engine "
+        "in this process); give --ray, or leave them out"]
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--beam-width", "0"], "--beam-width: got 0, allowed: 1 to 512 (the engine option max_beam_width)"),
     (["--beam-width", "9", "--max-beam-width", "8", "--default-beam-width", "4"],

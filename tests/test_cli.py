@@ -254,6 +254,20 @@ def test_serve_refuses_a_port_outside_the_range(home, tmp_path, port):
         f"xrec serve: error: --port: got {port}, port must be 0–65535"]
 
 
+@pytest.mark.parametrize("flags, names", [
+    (["--replicas", "4"], "--replicas"),
+    (["--max-replicas", "2", "--address", "127.0.0.1:1", "--replica-cpus", "2",
+      "--replica-gpus", "0"], "--max-replicas, --address, --replica-cpus, --replica-gpus")])
+def test_serve_refuses_ray_flags_without_ray(home, tmp_path, flags, names):
+    """`xrec serve --replicas 4` (or --address, --replica-cpus ...) without --ray served one
+    engine in one process: the flag was ignored without a word."""
+    proc = xrec_cli("serve", "--model", str(tmp_path / "none"), "--port", "0", *flags, home=home)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"xrec serve: error: {names}: only with --ray (without it, `xrec serve` is one process "
+        "with one engine); give --ray, or leave them out"]
+
+
 def _broken_copy(tiny_model: Path, out: Path, damage: str) -> Path:
     """A copy of the tiny model with its model.safetensors truncated or one weight NaN."""
     import shutil

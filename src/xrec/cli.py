@@ -200,13 +200,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _check_serve_args(args: argparse.Namespace) -> None:
     """What `xrec serve` checks before loading anything: the port, the flags --ray cannot
-    take, and the --catalog file (a regular file of at most --max-catalog-bytes: a FIFO
-    would block the load, /dev/zero would never end it)."""
+    take (without --ray: the flags only --ray takes), and the --catalog file (a regular
+    file of at most --max-catalog-bytes: a FIFO would block the load, /dev/zero would never
+    end it)."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port: got {args.port}, port must be 0–65535")
-    if args.ray:
-        from xrec.scale.cli import check_serve_ray_args
-        check_serve_ray_args(args)
+    from xrec.scale.cli import check_serve_ray_args
+    check_serve_ray_args(args)
     from xrec.server.admin import DEFAULT_MAX_CATALOG_BYTES
     from xrec.utils.files import FileRefused, check_regular_file
     max_bytes = args.max_catalog_bytes

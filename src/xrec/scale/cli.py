@@ -65,7 +65,7 @@ def add_batch_parser(sub: Any) -> argparse.ArgumentParser:
                      "cluster's CPUs hold, keeping one CPU for reading and writing)")
     ray.add_argument("--actor-cpus", type=float, help="CPUs each actor reserves (default: "
                      "--num-threads, at most the cluster's CPUs less one)")
-    ray.add_argument("--actor-gpus", type=float, default=0.0, help="GPUs each actor reserves")
+    ray.add_argument("--actor-gpus", type=float, help="GPUs each actor reserves (default 0)")
     EngineOptions.add_cli_args(batch)
     batch.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     batch.set_defaults(run=run_batch_command)
@@ -91,12 +91,14 @@ def run_batch_command(args: argparse.Namespace) -> int:
         if args.resume:
             raise ValueError("--resume: a --ray run is not resumable (its output is written by "
                              "Ray Data's tasks); run again with --overwrite, or without --ray")
+    else:
+        refuse_ray_flags(args, BATCH_RAY_FLAGS, "`xrec batch` runs one engine in this process")
     job = batch_job(args)
     try:
         if args.ray:
             from xrec.scale.batch_ray import RayOptions, run_batch_ray
             summary = run_batch_ray(job, RayOptions(args.address, args.actors, args.actor_cpus,
-                                                    args.actor_gpus))
+                                                    args.actor_gpus or 0.0))
         else:
             from xrec.scale.batch import run_batch
             summary = run_batch(job, owns_process=True)
@@ -134,18 +136,32 @@ def _resume_hint(args: argparse.Namespace) -> str:
 
 # ---- xrec serve --ray -----------------------------------------------------------------------
 
+# the flags only --ray applies (default None: given or not); without --ray they were
+# accepted and ignored
+BATCH_RAY_FLAGS = ("address", "actors", "actor_cpus", "actor_gpus")
+SERVE_RAY_FLAGS = ("replicas", "max_replicas", "address", "replica_cpus", "replica_gpus")
+
+
+def refuse_ray_flags(args: argparse.Namespace, names: tuple[str, ...], without: str) -> None:
+    """ValueError naming the Ray flags given without --ray (`without`: what runs instead)."""
+    given = ["--" + name.replace("_", "-") for name in names if getattr(args, name) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)}: only with --ray (without it, {without}); give "
+                         "--ray, or leave them out")
+
+
 def add_serve_ray_flags(serve: argparse.ArgumentParser) -> None:
     group = serve.add_argument_group("Ray Serve (--ray; pip install 'xrec[ray]')")
     group.add_argument("--ray", action="store_true", help="serve through Ray Serve: --replicas "
                        "engines behind one HTTP endpoint (the same routes)")
-    group.add_argument("--replicas", type=int, default=1, help="replicas (each one Engine; default 1)")
+    group.add_argument("--replicas", type=int, help="replicas (each one Engine; default 1)")
     group.add_argument("--max-replicas", type=int, help="autoscale between --replicas and this "
                        "on the replicas' queues")
     group.add_argument("--address", help="an existing Ray cluster (default: $RAY_ADDRESS, else "
                        "a local one)")
-    group.add_argument("--replica-cpus", type=float, default=1.0,
+    group.add_argument("--replica-cpus", type=float,
                        help="CPUs each replica reserves; its intra-op threads follow (default 1)")
-    group.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs each replica reserves")
+    group.add_argument("--replica-gpus", type=float, help="GPUs each replica reserves (default 0)")
 
 
 # `xrec serve`'s own connection handling (xrec.server.limits); with --ray, Serve's proxy
@@ -156,7 +172,10 @@ CONNECTION_FLAGS = ("max_header_bytes", "header_timeout_s", "body_timeout_s", "k
 
 def check_serve_ray_args(args: argparse.Namespace) -> None:
     """The `xrec serve` flags that --ray cannot apply, refused before Ray starts (they were
-    accepted and ignored)."""
+    accepted and ignored); without --ray, the flags only --ray applies."""
+    if not args.ray:
+        refuse_ray_flags(args, SERVE_RAY_FLAGS, "`xrec serve` is one process with one engine")
+        return
     if args.catalog_dir is not None:
         raise ValueError("--catalog-dir: catalog loads are not served with --ray (each replica "
                          "holds its own catalog)")

@@ -117,9 +117,12 @@ class ServeOptions:
     def from_args(cls, args: argparse.Namespace, model_dir: str, engine_options: dict,
                   ) -> "ServeOptions":
         api_key = args.api_key if args.api_key is not None else os.environ.get("XREC_API_KEY")
+        given = {name: value for name, value in (("num_replicas", args.replicas),
+                                                 ("replica_cpus", args.replica_cpus),
+                                                 ("replica_gpus", args.replica_gpus))
+                 if value is not None}   # the flags' defaults are the fields'
         return cls(model_dir, args.catalog, engine_options, args.served_model_name, api_key,
-                   args.max_body_bytes, args.grace_s, args.replicas, args.max_replicas,
-                   args.replica_cpus, args.replica_gpus)
+                   args.max_body_bytes, args.grace_s, max_replicas=args.max_replicas, **given)
 
     def replica_engine_options(self) -> dict:
         """The engine options of one replica: its intra-op threads from its CPU share."""
