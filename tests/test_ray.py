@@ -302,6 +302,35 @@ def test_replicas_the_cluster_cannot_place_are_refused_and_a_signal_stops_a_star
     assert APP_NAME not in serve.status().applications
 
 
+def test_sigterm_leaves_the_serve_of_a_joined_cluster_running(own_app, serve_port, model_dir,
+                                                              tmp_path):
+    """`xrec serve --ray --address` joins a cluster that runs on without it: SIGTERM deletes
+    its application and leaves Serve there (it shut Serve down: every other application of
+    the cluster and its proxies went too)."""
+    url = f"http://127.0.0.1:{serve_port}"
+    log = tmp_path / "serve.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "xrec", "serve", "--ray", "--address",
+                                 ray.get_runtime_context().gcs_address, "--model", str(model_dir),
+                                 "--port", str(serve_port), "--replica-cpus", "0.25",
+                                 "--num-threads", "1", "--grace-s", "1"],
+                                stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while "SIGTERM stops" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.2)
+        assert httpx.get(f"{url}/health", timeout=WAIT_S).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT_S) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert httpx.get(f"{url}/-/healthz", timeout=WAIT_S).status_code == 200   # Serve's proxy
+    assert APP_NAME not in serve.status().applications
+
+
 def test_start_errors_are_one_value_error(own_app, serve_port, model_dir, tmp_path, monkeypatch):
     """Serve running on another port kept it and the app was not where --port said; replicas
     that fail to start were Serve's RuntimeError (a traceback from `xrec serve`) without

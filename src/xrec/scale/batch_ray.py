@@ -59,8 +59,10 @@ class RayOptions:
 
 def connect(address: str | None, flag: str = "--address") -> bool:
     """Join the cluster at `address` ($RAY_ADDRESS when None), else start a local one.
-    True when this call started Ray (the caller shuts it down). ValueError when a given
-    cluster cannot be reached (probed first: Ray's own connect retries for minutes)."""
+    True when this call connected this process (the caller calls `ray.shutdown`, which
+    stops a cluster this call started and leaves a joined one: `started_cluster`).
+    ValueError when a given cluster cannot be reached (probed first: Ray's own connect
+    retries for minutes)."""
     import ray
 
     if ray.is_initialized():
@@ -75,6 +77,16 @@ def connect(address: str | None, flag: str = "--address") -> bool:
         raise ValueError(f"{flag} {address}: cannot reach the Ray cluster "
                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e})") from None
     return True
+
+
+def started_cluster() -> bool:
+    """Whether the cluster this process is connected to is one its `ray.init` started (a
+    local one, which goes with it), not one it joined (`--address`, $RAY_ADDRESS, a `ray
+    start` of this machine), whose Serve and jobs are not this process's to stop."""
+    from ray._private import worker   # no public API says whether ray.init started the head
+
+    node = worker._global_node
+    return node is not None and node.head
 
 
 def _probe(address: str, flag: str, timeout_s: float = 5.0) -> None:

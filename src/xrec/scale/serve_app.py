@@ -484,12 +484,14 @@ def serve_forever(options: ServeOptions, address: str | None, host: str, port: i
     drain, then delete the application (and stop the local cluster this call started)."""
     import ray
 
-    from xrec.scale.batch_ray import connect
+    from xrec.scale.batch_ray import connect, started_cluster
 
     if logger.getEffectiveLevel() > logging.INFO:
         logger.setLevel(logging.INFO)
     os.environ.setdefault(PROXY_CALLBACK_VARIABLE, PROXY_CALLBACK)   # a local cluster's proxy
-    is_local = connect(address)
+    is_connected = connect(address)
+    # Serve on a joined cluster is not ours to shut down (other applications use it)
+    is_local = is_connected and started_cluster()
     signals = StopSignals()   # after ray.init, which installs its own SIGTERM handler (it exits at once)
     try:
         check_fits(options, ray.available_resources())
@@ -500,7 +502,7 @@ def serve_forever(options: ServeOptions, address: str | None, host: str, port: i
         finally:
             _delete_app(is_drained, is_local)
     finally:
-        if is_local:
+        if is_connected:
             ray.shutdown()
         signals.restore()
     return 0
