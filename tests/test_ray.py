@@ -431,6 +431,43 @@ def test_a_full_replica_answers_429_and_sigterm_drains_with_503(own_app, serve_p
     assert min(seen["stops"])[1:] == (503, "UNAVAILABLE"), seen["stops"]
 
 
+def queue_then_sigterm(url: str, seen: dict) -> None:
+    """Once the app answers: 32 heavy requests at once, SIGTERM to this process (serve_forever's)
+    while the replica's engine holds at least 8 of them waiting; their outcomes."""
+    deadline = time.monotonic() + WAIT_S
+    while post(url, {**HEAVY, "token_ids": [1]})[0] != 200:
+        if time.monotonic() > deadline:
+            return   # never up: `within` ends serve_forever
+        time.sleep(0.2)
+    metrics_url = replica_infos(1)[0]["metrics_url"]
+    with ThreadPoolExecutor(32) as pool:
+        futures = [pool.submit(post, url, HEAVY) for _ in range(32)]
+        try:
+            while time.monotonic() < deadline and metric(metrics_url, "xrec_requests_waiting") < 8:
+                time.sleep(0.05)
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+        seen["outcomes"] = [future.result() for future in futures]
+
+
+def test_what_the_grace_period_leaves_is_answered_503(own_app, serve_port, model_dir):
+    """Requests still waiting when SIGTERM's grace period ends are answered 503 UNAVAILABLE in
+    xrec's JSON, at its end, as `xrec serve` answers them: they ran on for grace_s + 5 s more,
+    then Serve killed the replica and the proxy answered the rest 500 in plain text."""
+    options = ServeOptions(str(model_dir), replica_cpus=0.25, grace_s=0.0,
+                           engine_options={"num_threads": 1, "request_queue_size": 64,
+                                           "max_seqs_per_batch": 1})
+    seen: dict = {}
+    client = threading.Thread(target=queue_then_sigterm,
+                              args=(f"http://127.0.0.1:{serve_port}", seen), daemon=True)
+    client.start()
+    with within(3 * WAIT_S):
+        assert serve_forever(options, None, "127.0.0.1", serve_port) == 0
+    client.join(WAIT_S)
+    assert set(seen["outcomes"]) <= {(200, "OK"), (503, "UNAVAILABLE")}, seen["outcomes"]
+    assert (503, "UNAVAILABLE") in seen["outcomes"]
+
+
 # ---- serve ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path, body, status, code",

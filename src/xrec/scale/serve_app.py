@@ -41,8 +41,9 @@ Decisions where the issue is silent:
   would answer without the key.
 - Shutdown: SIGTERM / SIGINT drains every replica (`XrecReplica.drain`: new requests
   503 UNAVAILABLE, as `xrec serve` answers them, while the engine finishes its own, for
-  `grace_s` at most), then deletes the application; each replica closes its engine
-  with `grace_s`. A signal while the application starts stops the start.
+  `grace_s` at most; then those still unanswered are answered 503 UNAVAILABLE and the
+  engine is closed), then deletes the application. A signal while the application
+  starts stops the start.
 """
 
 from __future__ import annotations
@@ -182,8 +183,9 @@ class XrecReplica:
         return self.http_app
 
     def check_health(self) -> None:
-        """Serve's health check: raises while this replica's engine cannot take work."""
-        if not self.engine.stats().is_serving:
+        """Serve's health check: raises while this replica's engine cannot take work (but
+        not once `drain` closes it: Serve would start a replacement during the shutdown)."""
+        if not self.service.is_draining and not self.engine.stats().is_serving:
             raise RuntimeError("the engine is closed or its scheduler has stopped")
 
     def replica_info(self) -> dict:
@@ -197,12 +199,24 @@ class XrecReplica:
     async def drain(self, timeout_s: float) -> dict:
         """`xrec serve`'s drain on this replica: from now on new requests are answered 503
         UNAVAILABLE (and `/health`) while the engine finishes those it holds, for
-        `timeout_s` at most. {"pid", "is_idle"}."""
+        `timeout_s` at most; then those still unanswered are answered 503 UNAVAILABLE and
+        the engine is closed, as `xrec serve` drains. {"pid", "is_idle"}: whether it had
+        finished them all."""
+        from xrec.server.run import HTTP_TAIL_S
+
         self.service.begin_drain()
         deadline = time.monotonic() + timeout_s
         while not self._is_idle() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)   # the event loop answers meanwhile
-        return {"pid": os.getpid(), "is_idle": self._is_idle()}
+        is_idle = self._is_idle()
+        # what is left fails UNAVAILABLE now; before, Serve waited grace_s + 5 s more for
+        # it, then killed the replica: the proxy's plain-text 500 (or a reset) instead
+        await asyncio.to_thread(self.engine.close, 0)
+        self.service.abandon_unfinished()
+        deadline = time.monotonic() + HTTP_TAIL_S
+        while self.service.num_in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)   # bounded: the answers are being written
+        return {"pid": os.getpid(), "is_idle": is_idle}
 
     def _is_idle(self) -> bool:
         stats = self.engine.stats()
