@@ -204,6 +204,30 @@ def test_ray_batch_reads_the_exclude_items_column(tmp_path, cluster, model_dir):
         assert not recommended & set(row["exclude_items"] or []), row["id"]
 
 
+@pytest.mark.parametrize("name, fmt", [("in.pq", None), ("rows.data", "parquet")])
+def test_ray_batch_reads_parquet_of_any_name(tmp_path, cluster, model_dir, name, fmt):
+    """`.pq` is Parquet by its suffix and `--format parquet` takes any name, as without
+    --ray; Ray Data's read_parquet read `*.parquet` files only ("No input files found to
+    read with the following file extensions: ['parquet']")."""
+    rows = [{"id": i, "token_ids": [i % VOCAB, 1, 2]} for i in range(20)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / name)
+    run_batch(batch_job(tmp_path, model_dir, tmp_path / name, "local", input_format=fmt))
+    run_batch_ray(batch_job(tmp_path, model_dir, tmp_path / name, "ray", input_format=fmt),
+                  RAY_OPTIONS)
+    assert_same_records(read_output(tmp_path / "ray"), read_output(tmp_path / "local"))
+
+
+def test_ray_batch_refuses_parquet_without_a_suffix(tmp_path, cluster, model_dir):
+    """Ray Data's reader filters by suffix and cannot take a name without one: refused before
+    the output is made, not as Ray's "no files found" once the run has started."""
+    pq.write_table(pa.Table.from_pylist([{"id": 1, "token_ids": [1]}]), tmp_path / "rows")
+    with pytest.raises(ValueError, match=r"^--input .*/rows: --ray reads a Parquet file by its "
+                                         r"suffix \(Ray Data's reader skips a name without one\)"):
+        run_batch_ray(batch_job(tmp_path, model_dir, tmp_path / "rows", "ray",
+                                input_format="parquet"), RAY_OPTIONS)
+    assert not (tmp_path / "ray").exists()
+
+
 def test_ray_pool_that_takes_every_cpu_is_refused():
     assert pool_size(2.0, 1, RayOptions()) == (1, 1.0)
     assert pool_size(9.0, 2, RayOptions()) == (4, 2.0)

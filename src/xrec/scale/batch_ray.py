@@ -150,6 +150,9 @@ def run_batch_ray(job: BatchJob, options: RayOptions) -> BatchSummary:
     info = check_input(job.input, input_format, job.settings)
     if info.format == "jsonl":
         _check_utf8(info.path)
+    elif not Path(info.path).suffix:
+        raise ValueError(f"--input {info.path}: --ray reads a Parquet file by its suffix (Ray "
+                         "Data's reader skips a name without one); give it one, e.g. .parquet")
     schema = output_schema_for(info, output_format)
     num_chunks = job.num_chunks(info)
     identity = job.identity(info, output_format)
@@ -201,7 +204,10 @@ def _dataset(info: InputInfo, job: BatchJob, engine_options: dict, schema: Any, 
     context.execution_options.preserve_order = True   # chunk k = rows of chunk k, in order
     context.enable_progress_bars = job.progress
     if info.format == "parquet":
-        dataset = ray.data.read_parquet(info.path, columns=list(info.columns))
+        # the file's own suffix: the format is decided (`.pq`, --format parquet), and Ray
+        # Data reads `*.parquet` only unless told (None is that default too)
+        dataset = ray.data.read_parquet(info.path, columns=list(info.columns),
+                                        file_extensions=[Path(info.path).suffix])
     else:
         dataset = ray.data.read_text(info.path, drop_empty_lines=True)
     dataset = dataset.repartition(target_num_rows_per_block=job.chunk_rows, strict=True)
