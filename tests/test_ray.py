@@ -463,7 +463,7 @@ def queue_then_sigterm(url: str, seen: dict) -> None:
         if time.monotonic() > deadline:
             return   # never up: `within` ends serve_forever
         time.sleep(0.2)
-    metrics_url = replica_infos(1)[0]["metrics_url"]
+    metrics_url = next(info["metrics_url"] for info in replica_infos(1))
     with ThreadPoolExecutor(32) as pool:
         futures = [pool.submit(post, url, HEAVY) for _ in range(32)]
         try:
@@ -478,6 +478,34 @@ def test_what_the_grace_period_leaves_is_answered_503(own_app, serve_port, model
     """Requests still waiting when SIGTERM's grace period ends are answered 503 UNAVAILABLE in
     xrec's JSON, at its end, as `xrec serve` answers them: they ran on for grace_s + 5 s more,
     then Serve killed the replica and the proxy answered the rest 500 in plain text."""
+    options = ServeOptions(str(model_dir), replica_cpus=0.25, grace_s=0.0,
+                           engine_options={"num_threads": 1, "request_queue_size": 64,
+                                           "max_seqs_per_batch": 1})
+    seen: dict = {}
+    client = threading.Thread(target=queue_then_sigterm,
+                              args=(f"http://127.0.0.1:{serve_port}", seen), daemon=True)
+    client.start()
+    with within(3 * WAIT_S):
+        assert serve_forever(options, None, "127.0.0.1", serve_port) == 0
+    client.join(WAIT_S)
+    assert set(seen["outcomes"]) <= {(200, "OK"), (503, "UNAVAILABLE")}, seen["outcomes"]
+    assert (503, "UNAVAILABLE") in seen["outcomes"]
+
+
+def test_a_signal_while_some_replicas_start_drains_those_that_answer(own_app, serve_port,
+                                                                     model_dir, monkeypatch):
+    """A signal during the start (Serve still waits for a replica) stopped it without a drain,
+    though a replica that had started was answering: its requests ran on for grace_s + 5 s,
+    then Serve killed it and the proxy answered them 500 in plain text. The replicas that
+    answer are drained first, as after the start."""
+    placeable = ServeOptions.deployment_options
+
+    def one_of_two_placeable(self) -> dict:   # 2 x 1.5 of the cluster's 2 CPUs
+        options = {**placeable(self), "num_replicas": 2}
+        options["ray_actor_options"]["num_cpus"] = 1.5
+        return options
+
+    monkeypatch.setattr(ServeOptions, "deployment_options", one_of_two_placeable)
     options = ServeOptions(str(model_dir), replica_cpus=0.25, grace_s=0.0,
                            engine_options={"num_threads": 1, "request_queue_size": 64,
                                            "max_seqs_per_batch": 1})

@@ -43,7 +43,8 @@ Decisions where the issue is silent:
   503 UNAVAILABLE, as `xrec serve` answers them, while the engine finishes its own, for
   `grace_s` at most; then those still unanswered are answered 503 UNAVAILABLE and the
   engine is closed), then deletes the application. A signal while the application
-  starts stops the start.
+  starts stops the start (the replicas already running, which may be answering, are
+  drained first).
 """
 
 from __future__ import annotations
@@ -423,7 +424,8 @@ def drain(grace_s: float, app_name: str = APP_NAME) -> None:
     from ray import serve
 
     app = serve.status().applications.get(app_name)
-    states = app.deployments[DEPLOYMENT_NAME].replica_states if app is not None else {}
+    status = app.deployments.get(DEPLOYMENT_NAME) if app is not None else None
+    states = status.replica_states if status is not None else {}
     num_running = states.get("RUNNING", 0)
     answers = _ask_each_replica("drain", num_running, app_name, grace_s + 5.0, grace_s)
     num_idle = sum(answer["is_idle"] for answer in answers)
@@ -538,13 +540,17 @@ def _delete_app(is_drained: bool, is_local: bool) -> None:
 
 
 def _serve_until_signal(options: ServeOptions, host: str, port: int, signals: StopSignals) -> bool:
-    """True once drained after a signal; False when a signal stopped the start."""
+    """True once drained after a signal; False when a signal stopped the start (the replicas
+    already running drained)."""
     try:
         with signals.interrupting():
             deploy(options)
             infos = replica_infos(options.num_replicas)
     except Interrupted:
-        logger.info("xrec serve --ray: stopped while the replicas were starting")
+        # a replica that has started may be answering requests while Serve waits for another
+        logger.info("xrec serve --ray: stopped while the replicas were starting; draining "
+                    "those running (grace period %.1f s)", options.grace_s)
+        drain(options.grace_s)
         return False
     display = f"[{host}]" if ":" in host else host
     logger.info("xrec serve --ray: model %s, %d replica(s) x %g CPU / %g GPU; listening on "
