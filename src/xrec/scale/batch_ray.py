@@ -85,8 +85,8 @@ def started_cluster() -> bool:
     start` of this machine), whose Serve and jobs are not this process's to stop."""
     from ray._private import worker   # no public API says whether ray.init started the head
 
-    node = worker._global_node
-    return node is not None and node.head
+    node = getattr(worker, "_global_node", None)   # private: read defensively; unknown is
+    return bool(getattr(node, "head", False))        # "joined" (a local cluster ends with us)
 
 
 def _probe(address: str, flag: str, timeout_s: float = 5.0) -> None:
