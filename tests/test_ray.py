@@ -430,6 +430,19 @@ def burst_then_sigterm(url: str, seen: dict) -> None:
         client.join(WAIT_S)
 
 
+def serve_beside(client, options: ServeOptions, serve_port: int) -> dict:
+    """`serve_forever(options)` here while `client(url, seen)` runs on a thread (and ends it
+    with SIGTERM); what the client saw."""
+    seen: dict = {}
+    thread = threading.Thread(target=client, args=(f"http://127.0.0.1:{serve_port}", seen),
+                              daemon=True)
+    thread.start()
+    with within(3 * WAIT_S):
+        assert serve_forever(options, None, "127.0.0.1", serve_port) == 0
+    thread.join(WAIT_S)
+    return seen
+
+
 def test_a_full_replica_answers_429_and_sigterm_drains_with_503(own_app, serve_port, model_dir):
     """Through Serve as from `xrec serve`: requests past the engine's capacity get the
     engine's 429 (Serve's proxy queued them without a bound: all 200, seconds late); SIGTERM
@@ -439,13 +452,7 @@ def test_a_full_replica_answers_429_and_sigterm_drains_with_503(own_app, serve_p
     options = ServeOptions(str(model_dir), api_key=KEY, replica_cpus=0.25, grace_s=30.0,
                            engine_options={"num_threads": 1, "request_queue_size": 2,
                                            "max_seqs_per_batch": 1})
-    seen: dict = {}
-    client = threading.Thread(target=burst_then_sigterm,
-                              args=(f"http://127.0.0.1:{serve_port}", seen), daemon=True)
-    client.start()
-    with within(3 * WAIT_S):
-        assert serve_forever(options, None, "127.0.0.1", serve_port) == 0
-    client.join(WAIT_S)
+    seen = serve_beside(burst_then_sigterm, options, serve_port)
     assert seen["metrics_urls"] == [None]
     # the engine holds 3: the rest refused at once (they waited for their turn, all 200)
     statuses = [status for status, _ in seen["burst"]]
@@ -474,22 +481,22 @@ def queue_then_sigterm(url: str, seen: dict) -> None:
         seen["outcomes"] = [future.result() for future in futures]
 
 
+def check_what_grace_leaves_is_answered_503(serve_port, model_dir) -> None:
+    """`xrec serve --ray` with no grace, one request a batch and a queue of them, then SIGTERM:
+    every request is answered once, 200 or (what the grace leaves) 503 UNAVAILABLE."""
+    options = ServeOptions(str(model_dir), replica_cpus=0.25, grace_s=0.0,
+                           engine_options={"num_threads": 1, "request_queue_size": 64,
+                                           "max_seqs_per_batch": 1})
+    seen = serve_beside(queue_then_sigterm, options, serve_port)
+    assert set(seen["outcomes"]) <= {(200, "OK"), (503, "UNAVAILABLE")}, seen["outcomes"]
+    assert (503, "UNAVAILABLE") in seen["outcomes"]
+
+
 def test_what_the_grace_period_leaves_is_answered_503(own_app, serve_port, model_dir):
     """Requests still waiting when SIGTERM's grace period ends are answered 503 UNAVAILABLE in
     xrec's JSON, at its end, as `xrec serve` answers them: they ran on for grace_s + 5 s more,
     then Serve killed the replica and the proxy answered the rest 500 in plain text."""
-    options = ServeOptions(str(model_dir), replica_cpus=0.25, grace_s=0.0,
-                           engine_options={"num_threads": 1, "request_queue_size": 64,
-                                           "max_seqs_per_batch": 1})
-    seen: dict = {}
-    client = threading.Thread(target=queue_then_sigterm,
-                              args=(f"http://127.0.0.1:{serve_port}", seen), daemon=True)
-    client.start()
-    with within(3 * WAIT_S):
-        assert serve_forever(options, None, "127.0.0.1", serve_port) == 0
-    client.join(WAIT_S)
-    assert set(seen["outcomes"]) <= {(200, "OK"), (503, "UNAVAILABLE")}, seen["outcomes"]
-    assert (503, "UNAVAILABLE") in seen["outcomes"]
+    check_what_grace_leaves_is_answered_503(serve_port, model_dir)
 
 
 def test_a_signal_while_some_replicas_start_drains_those_that_answer(own_app, serve_port,
@@ -506,18 +513,7 @@ def test_a_signal_while_some_replicas_start_drains_those_that_answer(own_app, se
         return options
 
     monkeypatch.setattr(ServeOptions, "deployment_options", one_of_two_placeable)
-    options = ServeOptions(str(model_dir), replica_cpus=0.25, grace_s=0.0,
-                           engine_options={"num_threads": 1, "request_queue_size": 64,
-                                           "max_seqs_per_batch": 1})
-    seen: dict = {}
-    client = threading.Thread(target=queue_then_sigterm,
-                              args=(f"http://127.0.0.1:{serve_port}", seen), daemon=True)
-    client.start()
-    with within(3 * WAIT_S):
-        assert serve_forever(options, None, "127.0.0.1", serve_port) == 0
-    client.join(WAIT_S)
-    assert set(seen["outcomes"]) <= {(200, "OK"), (503, "UNAVAILABLE")}, seen["outcomes"]
-    assert (503, "UNAVAILABLE") in seen["outcomes"]
+    check_what_grace_leaves_is_answered_503(serve_port, model_dir)
 
 
 # ---- serve ------------------------------------------------------------------------------------

@@ -283,6 +283,14 @@ def test_blank_lines_do_not_keep_a_connection_open(impatient):
                 time.sleep(0.1)
 
 
+def send_slow_request(sock, gate, request_id: str) -> None:
+    """Send a valid request on `sock` and wait until its batch holds at `gate`."""
+    data = json.dumps({**VALID, "request_id": request_id})
+    sock.sendall(f"POST {NATIVE} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 f"\r\nContent-Length: {len(data)}\r\n\r\n{data}".encode())
+    assert gate.entered.wait(WAIT_S), "the slow batch never started"
+
+
 def test_a_pipelined_head_waits_while_the_request_before_it_is_answered(engine, gate):
     """A client that sends its next request's first bytes while the one before is still
     being answered: that answer is its own, however long it takes (before, the head
@@ -290,10 +298,7 @@ def test_a_pipelined_head_waits_while_the_request_before_it_is_answered(engine, 
     running = limited_server(engine, header_timeout_s=0.5)
     try:
         with connect(running.port) as sock:
-            data = json.dumps({**VALID, "request_id": "slow-pipelined"})
-            sock.sendall(f"POST {NATIVE} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                         f"\r\nContent-Length: {len(data)}\r\n\r\n{data}".encode())
-            assert gate.entered.wait(WAIT_S), "the slow batch never started"
+            send_slow_request(sock, gate, "slow-pipelined")
             sock.sendall(b"GET /hea")   # the next head begins, and stops
             time.sleep(1.5)              # three head timeouts while the request runs
             gate.release.set()
@@ -314,10 +319,7 @@ def test_a_pipelined_head_over_the_limit_is_refused_after_the_answer_before_it(e
     running = limited_server(engine)
     try:
         with connect(running.port) as sock:
-            data = json.dumps({**VALID, "request_id": "slow-431"})
-            sock.sendall(f"POST {NATIVE} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                         f"\r\nContent-Length: {len(data)}\r\n\r\n{data}".encode())
-            assert gate.entered.wait(WAIT_S), "the slow batch never started"
+            send_slow_request(sock, gate, "slow-431")
             sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (32 << 10)
                          + b"\r\n\r\n")
             connections = running.server.server_state.connections
