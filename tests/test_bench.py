@@ -8,6 +8,7 @@ import json
 import os
 import statistics
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -369,15 +370,7 @@ def test_batch_error_rows_are_not_answers(home, tmp_path):
 
 def _spinning_children(pid: int) -> list[int]:
     """Processes whose parent is `pid` and that run contention's spinning neighbour."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            if parent == pid and b"while True" in (stat.parent / "cmdline").read_bytes():
-                found.append(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
+    return _children(pid, b"while True")
 
 
 def _is_running(pid: int) -> bool:
@@ -421,6 +414,56 @@ def test_contention_neighbour_ends_with_the_bench(signal_name):
             bench.kill()
             bench.wait()
 
+
+def test_a_killed_bench_leaves_no_server(tmp_path):
+    """`xrec bench serve` runs `xrec serve` as a child (`server`): a bench killed outright
+    (a timeout's SIGKILL) left that server running, holding its port and cores. It is
+    started through `module_command` now and ends with the bench."""
+    import signal
+    import subprocess
+    import sys
+
+    from xrec.demo import write_random_model
+
+    model_dir = write_random_model(tmp_path / "model", "tiny", num_items=100)
+    script = ("import sys, time\n"
+              "from xrec.bench.serve import server\n"
+              "with server(sys.argv[1], 1, 1, 'cpu', 120.0) as url:\n"
+              "    print(url, flush=True)\n"
+              "    time.sleep(600)\n")
+    bench = subprocess.Popen([sys.executable, "-c", script, str(model_dir)],
+                             stdout=subprocess.PIPE, text=True)
+    children: list[int] = []
+    try:
+        assert bench.stdout.readline().startswith("http://127.0.0.1:"), "no server answered"
+        children = _children(bench.pid)
+        assert children
+        bench.send_signal(signal.SIGKILL)
+        bench.wait(timeout=60)
+        deadline = time.monotonic() + 30    # SIGTERM: the server drains (nothing) and exits
+        while any(map(_is_running, children)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(_is_running, children)), "the server outlived the killed bench"
+    finally:
+        for pid in children:
+            if _is_running(pid):
+                os.kill(pid, signal.SIGKILL)
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+
+
+def _children(pid: int, marker: bytes = b"") -> list[int]:
+    """Processes whose parent is `pid` (and whose command line holds `marker`)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if parent == pid and marker in (stat.parent / "cmdline").read_bytes():
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
 
 GR_SMALL = ["offline", "--family", "qwen3", "--case", "gr-inference", "--size", "qwen3-sid-test",
             "--contexts", "16,32", "--batches", "1,2", "--beam-width", "8", "--items", "300",

@@ -22,7 +22,6 @@ import signal
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -34,7 +33,8 @@ import numpy as np
 from xrec.bench.lib.args import dtype_option, model_dir_of, progress_bar
 from xrec.bench.lib.rawhttp import Connection, burst
 from xrec.bench.lib.common import (environment, environment_markdown, markdown_table,
-                               output_paths, percentile, pyplot, write_outputs)
+                                   module_command, output_paths, percentile, pyplot,
+                                   write_outputs)
 from xrec.utils.fresh_thread import in_fresh_thread
 
 ROUTE = "/v1/rec/completions"
@@ -119,13 +119,15 @@ def free_port() -> int:
 @contextmanager
 def server(model_dir, max_concurrency: int, threads: int | None, device: str, timeout_s: float,
            batch_wait_ms: float = 0.0, dtype: str | None = None):
-    """`xrec serve` in a subprocess on a free port; yields its base URL; SIGTERM at the end."""
+    """`xrec serve` in a subprocess on a free port; yields its base URL; SIGTERM at the end,
+    or when this process ends otherwise (`module_command`)."""
     import httpx
 
     port = free_port()
-    command = [sys.executable, "-m", "xrec.cli", "serve", "--model", str(model_dir), "--host",
-               "127.0.0.1", "--port", str(port), "--max-concurrency", str(max_concurrency),
-               "--device", device, "--grace-s", "5", "--batch-wait-ms", str(batch_wait_ms)]
+    command = module_command("xrec.cli", "serve", "--model", str(model_dir), "--host",
+                             "127.0.0.1", "--port", str(port), "--max-concurrency",
+                             str(max_concurrency), "--device", device, "--grace-s", "5",
+                             "--batch-wait-ms", str(batch_wait_ms))
     if threads:
         command += ["--num-threads", str(threads)]
     if dtype:
@@ -139,7 +141,8 @@ def server(model_dir, max_concurrency: int, threads: int | None, device: str, ti
             if process.poll() is not None:
                 log.seek(0)
                 tail = log.read().decode(errors="replace")[-2000:]
-                raise OSError(f"`{' '.join(command)}` exited with status {process.returncode}:\n{tail}")
+                shown = " ".join(["python -m", *command[4:]])   # not module_command's launcher
+                raise OSError(f"`{shown}` exited with status {process.returncode}:\n{tail}")
             try:
                 if httpx.get(url + "/health", timeout=1.0).status_code == 200:
                     break

@@ -181,6 +181,27 @@ def _trim_heap() -> None:
         pass
 
 
+# ---- child processes ----------------------------------------------------------------------
+
+# runs `python -m MODULE ARGS` (argv[2:]) after asking the kernel for SIGTERM when its parent,
+# the bench (pid argv[1]), ends however it ends (PR_SET_PDEATHSIG, Linux); a parent gone
+# before the request took effect is checked by pid
+_ENDS_WITH_PARENT = ("import ctypes, os, runpy, signal, sys\n"
+                     "libc = ctypes.CDLL(None)\n"
+                     "if hasattr(libc, 'prctl'):\n    libc.prctl(1, signal.SIGTERM)\n"
+                     "if os.getppid() != int(sys.argv[1]):\n    sys.exit(1)\n"
+                     "sys.argv = sys.argv[2:]\n"
+                     "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n")
+
+
+def module_command(module: str, *args: str) -> list[str]:
+    """The command that runs `python -m module *args` as a child that gets SIGTERM when this
+    process ends, also by SIGKILL or a crash (where the kernel offers it: Linux), so that a
+    killed bench leaves no server behind. Start it from a thread that outlives the child:
+    the kernel signals it when the thread that started it ends."""
+    return [sys.executable, "-c", _ENDS_WITH_PARENT, str(os.getpid()), module, *args]
+
+
 # ---- output -----------------------------------------------------------------------------
 
 def output_paths(out_dir: str | os.PathLike, name: str) -> dict[str, Path]:
