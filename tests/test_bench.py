@@ -402,17 +402,9 @@ def test_contention_neighbour_ends_with_the_bench(signal_name):
         assert spinners, "the neighbour never started"
         bench.send_signal(getattr(signal, signal_name))   # the neighbour settles for 0.5 s
         assert bench.wait(timeout=60) != 0
-        deadline = time.monotonic() + 10
-        while _is_running(spinners[0]) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _is_running(spinners[0]), "the busy neighbour outlived the bench"
+        assert _all_end(spinners[:1], 10.0), "the busy neighbour outlived the bench"
     finally:
-        for pid in spinners:
-            if _is_running(pid):
-                os.kill(pid, signal.SIGKILL)
-        if bench.poll() is None:
-            bench.kill()
-            bench.wait()
+        _kill_all(bench, spinners)
 
 
 def test_a_killed_bench_leaves_no_server(tmp_path):
@@ -440,17 +432,30 @@ def test_a_killed_bench_leaves_no_server(tmp_path):
         assert children
         bench.send_signal(signal.SIGKILL)
         bench.wait(timeout=60)
-        deadline = time.monotonic() + 30    # SIGTERM: the server drains (nothing) and exits
-        while any(map(_is_running, children)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not any(map(_is_running, children)), "the server outlived the killed bench"
+        # SIGTERM: the server drains (nothing) and exits
+        assert _all_end(children, 30.0), "the server outlived the killed bench"
     finally:
-        for pid in children:
-            if _is_running(pid):
-                os.kill(pid, signal.SIGKILL)
-        if bench.poll() is None:
-            bench.kill()
-            bench.wait()
+        _kill_all(bench, children)
+
+
+def _all_end(pids: list[int], timeout_s: float) -> bool:
+    """Whether every process of `pids` has ended within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while any(map(_is_running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(map(_is_running, pids))
+
+
+def _kill_all(bench, pids: list[int]) -> None:
+    """A test's cleanup: SIGKILL what still runs of `pids` and of the `bench` process."""
+    import signal
+
+    for pid in pids:
+        if _is_running(pid):
+            os.kill(pid, signal.SIGKILL)
+    if bench.poll() is None:
+        bench.kill()
+        bench.wait()
 
 
 def _children(pid: int, marker: bytes = b"") -> list[int]:
