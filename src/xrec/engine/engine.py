@@ -27,7 +27,8 @@ from xrec.config.engine import checked_grace_s
 from xrec.config.sizes import size_config
 from xrec.engine.catalogs import CatalogSlots, ServedCatalog, serve_catalog
 from xrec.engine.executor import AnswerSettings, EngineBatch, Executor
-from xrec.engine.frontend import EngineFrontend, EngineStats, arrival_time
+from xrec.engine.frontend import (EngineFrontend, EngineStats, arrival_time, close_once,
+                                  off_own_threads)
 from xrec.engine.host import own_process, retain_freed_memory
 from xrec.engine.requests import BatchLimits, BatchReport, ScheduledRequest
 from xrec.engine.responses import ResponseData
@@ -298,12 +299,8 @@ class Engine(EngineFrontend):
         runs returns once that one has ended (its grace). Called on one of the engine's own
         threads (a done-callback runs on the pipeline that answered), it returns at once and
         the engine closes on a thread of its own."""
-        grace_s = checked_grace_s(grace_s)
-        detached = self._finalizer.detach()
-        if detached is not None:
-            _close_off_own_threads(*detached[2], grace_s)
-        elif threading.current_thread() not in self._own_threads:
-            self._close_ended.wait()   # bounded: the other close's grace, then its joins
+        close_once(self._finalizer, self._own_threads, self._close_ended,
+                   checked_grace_s(grace_s))
 
     def describe(self) -> dict:
         """What start-up logs and a process-isolated engine's parent show (plain values)."""
@@ -407,11 +404,7 @@ def _close_off_own_threads(scheduler: FixedStepsScheduler, executor: Executor,
     pipeline cannot wait for the batch it is still finishing (a done-callback calling close
     waited its whole grace), and a cyclic collection runs wherever it is triggered, maybe
     while that thread holds one of the engine's locks."""
-    if threading.current_thread() in threads:
-        threading.Thread(target=_close_parts, args=(scheduler, executor, closed, ended, grace_s),
-                         name="xrec-engine-close", daemon=True).start()
-    else:
-        _close_parts(scheduler, executor, closed, ended, grace_s)
+    off_own_threads(threads, _close_parts, scheduler, executor, closed, ended, grace_s)
 
 
 def _close_parts(scheduler: FixedStepsScheduler, executor: Executor, closed: threading.Event,

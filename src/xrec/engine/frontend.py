@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -185,3 +187,30 @@ def arrival_time(arrived_at: float | None) -> float:
             or not math.isfinite(arrived_at)):
         raise InvalidArgument(f"arrived_at: got {arrived_at!r}, expected time.monotonic() seconds")
     return float(arrived_at)
+
+
+def close_once(finalizer: weakref.finalize, own_threads: tuple[threading.Thread, ...],
+               ended: threading.Event, grace_s: float) -> None:
+    """The `close` of either engine kind. Its `finalizer` (the close at collection, grace 0)
+    holds the close function, which takes the grace as its last argument and sets `ended`
+    once done: the first call detaches and runs it with `grace_s`; a later call waits until
+    that close has ended (bounded by its grace), except on one of the engine's `own_threads`,
+    where it would wait for itself."""
+    detached = finalizer.detach()
+    if detached is not None:
+        _, close, args, _ = detached
+        close(*args, grace_s)
+    elif threading.current_thread() not in own_threads:
+        ended.wait()
+
+
+def off_own_threads(threads: tuple[threading.Thread, ...], close: Callable[..., None],
+                    *args: Any) -> None:
+    """`close(*args)` here, or on a new thread when here is one of the engine's `threads`:
+    a pipeline cannot wait for the batch it is still finishing, a receiver must go on
+    reading the answers of what is drained, and a cyclic collection runs wherever it is
+    triggered, maybe while that thread holds one of the engine's locks."""
+    if threading.current_thread() in threads:
+        threading.Thread(target=close, args=args, name="xrec-engine-close", daemon=True).start()
+    else:
+        close(*args)

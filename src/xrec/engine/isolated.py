@@ -57,7 +57,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from xrec.api_types import CatalogVersion, ValidRequest
 from xrec.config.engine import checked_grace_s
-from xrec.engine.frontend import EngineFrontend, EngineStats, arrival_time as _arrival
+from xrec.engine.frontend import (EngineFrontend, EngineStats, arrival_time as _arrival,
+                                  close_once, off_own_threads)
 from xrec.engine.requests import BatchReport, notify_cancelled
 from xrec.engine.transport import Arena, Region, dumps, loads
 from xrec.errors import DeadlineExceeded, Internal, Unavailable
@@ -480,12 +481,8 @@ class ProcessEngine(EngineFrontend):
         closes on a thread of its own: the receiver must go on reading the answers of what
         the child drains. A call while another thread's close runs returns once that one
         has ended."""
-        grace_s = checked_grace_s(grace_s)
-        own_threads = (self._receiver, self._timer)
-        if self._finalizer.detach() is not None:
-            _shutdown_off_own_threads(self._link, own_threads, grace_s)
-        elif threading.current_thread() not in own_threads:
-            self._link.shut_down.wait()   # bounded: the other close's grace, then a kill
+        close_once(self._finalizer, (self._receiver, self._timer), self._link.shut_down,
+                   checked_grace_s(grace_s))
 
 
 def _writable(conn: Connection, timeout_s: float) -> bool:
@@ -527,11 +524,7 @@ def _shutdown_off_own_threads(link: _Link, threads: tuple[threading.Thread, ...]
     the receiver (where done-callbacks run) must keep reading the child's answers while it
     drains, and a cyclic collection runs wherever it is triggered, maybe while that thread
     holds `link.lock`."""
-    if threading.current_thread() in threads:
-        threading.Thread(target=_shutdown, args=(link, threads, grace_s),
-                         name="xrec-engine-close", daemon=True).start()
-    else:
-        _shutdown(link, threads, grace_s)
+    off_own_threads(threads, _shutdown, link, threads, grace_s)
 
 
 def _shutdown(link: _Link, threads: tuple[threading.Thread, ...], grace_s: float) -> None:
