@@ -169,8 +169,7 @@ def _check_no_final_fit(model_dirs: list[Path]) -> None:
     """A final fit (`xrec train --final`) trained on the validation items: ranked on the
     validation stage it is measured on its own training data."""
     for model_dir in model_dirs:
-        path = Path(model_dir) / "train_report.json"
-        if path.is_file() and json.loads(path.read_text()).get("options", {}).get("final"):
+        if _is_final_fit(_train_report(model_dir) or {}):
             raise ValueError(f"--model {model_dir} is a final fit (xrec train --final), trained "
                              f"on every validation item: only --stage test measures it")
 
@@ -259,14 +258,25 @@ def _rank_generative(split, model_dir, options: EvalOptions, users, progress,
 def _trained_model_facts(model_dir: Path) -> dict:
     """Epochs run, best epoch, parameters and training seconds from `xrec train`'s report
     (empty for a directory without one, e.g. a model trained elsewhere)."""
-    path = Path(model_dir) / "train_report.json"
-    if not path.is_file():
+    report = _train_report(model_dir)
+    if report is None:
         return {}
-    report = json.loads(path.read_text())
     return {"epochs": report["epochs_run"], "best_epoch": report["best"]["epoch"],
-            "final_fit": bool(report.get("options", {}).get("final")),
+            "final_fit": _is_final_fit(report),
             "parameters": report["parameters"],
             "train_seconds": round(60 * report["train_minutes"], 1)}
+
+
+def _train_report(model_dir: Path) -> dict | None:
+    """`xrec train`'s train_report.json of `model_dir` (None: a model trained elsewhere)."""
+    path = Path(model_dir) / "train_report.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _is_final_fit(report: dict) -> bool:
+    """Whether a train report is a final fit's (`xrec train --final`: trained on the
+    validation items too); a report without options is not."""
+    return bool(report.get("options", {}).get("final"))
 
 
 def _rank_baseline(name: str, split: Split, options: EvalOptions, k: int, progress: bool):
