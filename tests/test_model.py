@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import shutil
 import stat
 
 import pytest
@@ -28,6 +29,7 @@ from safetensors.torch import save_file
 from oracles.naive import NaiveOneRec
 from oracles.weights import random_state_dict, save_checkpoint, to_xllm_names
 from xrec.config import MODEL_SIZES, ModelConfig
+from xrec.model.inputs import ModelInputs
 from xrec.model.kv import BeamKV
 from xrec.model.loader import CheckpointError, load_model, save_model
 from xrec.model.attention import padding_mask
@@ -848,6 +850,104 @@ def test_weight_beyond_the_target_dtype_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=rf"{re.escape(repr(name))} after the cast to "
                        r"torch.float16 \(from torch.float32\) holds 1 non-finite"):
         load_model(tmp_path, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("family", ["t5", "qwen3"])
+def test_hugging_face_shards_are_read_as_their_index_says(tmp_path, family):
+    """A model transformers saved in shards loads as its one-file save does; a leftover
+    consolidated file beside the shards is not read (it failed as a duplicate tensor)."""
+    pytest.importorskip("transformers")
+    from oracles.hf import make_hf_t5
+    from oracles.hf_causal import hf_causal_logits, make_hf_causal
+
+    if family == "t5":
+        hf, directory = make_hf_t5(tmp_path / "one", seed=34)
+    else:
+        hf, directory = make_hf_causal(tmp_path / "one", kind="qwen3", seed=35, vocab_size=48)
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(str(sharded), max_shard_size="8KB")
+    shutil.copy(directory / "config.json", sharded)   # make_hf_t5 edits the one it saved
+    assert len(list(sharded.glob("model-*-of-*.safetensors"))) >= 3
+    assert (sharded / "model.safetensors.index.json").is_file()
+    shutil.copy(directory / "model.safetensors", sharded / "consolidated.safetensors")
+    want, got = (load_model(d, dtype=torch.float32) for d in (directory, sharded))
+    assert got.config == want.config
+    assert set(got.state_dict()) == set(want.state_dict())
+    assert all(torch.equal(t, want.state_dict()[name]) for name, t in got.state_dict().items())
+    if family == "t5":
+        for a, b in zip(_outputs(got), _outputs(want)):   # equal weights; kernels' rounding
+            _rel_close(a, b, 1e-5)
+    else:
+        prompt = [5, 9, 13, 2, 40]
+        with torch.inference_mode():
+            last, _ = got.prefill(ModelInputs(torch.tensor([prompt]), [len(prompt)], [], None, [], None, [0]))
+            logits = got.logits(last)[0]
+        torch.testing.assert_close(logits, hf_causal_logits(hf, prompt)[-1], rtol=0, atol=2e-5)
+
+
+def test_xrec_shards_carry_the_index_transformers_reads(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from oracles.hf_causal import hf_causal_logits
+    from xrec.config import QwenConfig
+    from xrec.model.random_init import random_state_dict as xrec_random_state_dict
+
+    config = QwenConfig(model_type="qwen3", vocab_size=48, hidden_size=32, intermediate_size=48,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                        torch_dtype="float32")
+    save_model(tmp_path, config, xrec_random_state_dict(config, seed=36), max_shard_bytes=8_000)
+    shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(shards) >= 3
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == shards
+    model = load_model(tmp_path, dtype=torch.float32)
+    assert set(index["weight_map"]) == set(model.state_dict())   # no stacked or tied names
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    with torch.inference_mode():
+        last, _ = model.prefill(ModelInputs(torch.tensor([prompt]), [len(prompt)], [], None, [], None, [0]))
+        logits = model.logits(last)[0]
+    torch.testing.assert_close(logits, hf_causal_logits(hf, prompt)[-1], rtol=0, atol=2e-5)
+
+
+def _moved(weight_map: dict) -> None:
+    first, second = sorted(set(weight_map.values()))[:2]
+    name = next(n for n, f in weight_map.items() if f == first)
+    weight_map[name] = second
+
+
+@pytest.mark.parametrize("damage,words", [
+    ("missing", ["maps", "model-00002-of-", "not in"]),
+    ("moved", ["holds tensor", "maps it to model-00002-of-"]),
+    ("unlisted", ["holds tensor", "is not in it"]),
+    ("phantom", ["'extra.weight' to model-00001-of-", "do not hold"]),
+    ("not_json", ["model.safetensors.index.json", "not valid JSON"]),
+    ("no_weight_map", ["'weight_map'"]),
+    ("outside", ["'../model.safetensors'", "without a directory"]),
+    ("consolidated", ["both model.safetensors and model.safetensors.index.json", "stale"]),
+])
+def test_an_index_that_does_not_describe_the_shards_is_refused(tmp_path, damage, words):
+    save_model(tmp_path, ERROR_CONFIG, random_state_dict(ERROR_CONFIG, seed=72), max_shard_bytes=10_000)
+    path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    weight_map = index["weight_map"]
+    if damage == "missing":
+        (tmp_path / min(f for f in weight_map.values() if "00002-of" in f)).unlink()
+    elif damage == "moved":
+        _moved(weight_map)
+    elif damage == "unlisted":
+        del weight_map[next(iter(weight_map))]
+    elif damage == "phantom":
+        weight_map["extra.weight"] = min(weight_map.values())
+    elif damage == "no_weight_map":
+        del index["weight_map"]
+    elif damage == "outside":
+        weight_map[next(iter(weight_map))] = "../model.safetensors"
+    elif damage == "consolidated":
+        shutil.copy(tmp_path / min(weight_map.values()), tmp_path / "model.safetensors")
+    path.write_text("{" if damage == "not_json" else json.dumps(index))
+    message = _error(tmp_path)
+    for word in words:
+        assert word in message, (word, message)
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o027])

@@ -1,4 +1,5 @@
-"""Checkpoint I/O: `*.safetensors` in, `config.json` + safetensors out. Never pickle.
+"""Checkpoint I/O: `*.safetensors` (those `model.safetensors.index.json` names, where it exists)
+in, `config.json` + safetensors (+ the index of shards) out. Never pickle.
 
 `config.json`'s `model_type` picks the model family (`registry.py`); tensor names
 are normalised to the names of that family's `state_dict` by its
@@ -19,10 +20,14 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from xrec.config import FamilyConfig, read_model_config
+from xrec.config.keys import read_json
 from xrec.model.family import RecModel
 from xrec.model.layers import stack_weights
 from xrec.model.registry import model_class
 from xrec.utils.files import FileRefused, check_regular_file
+
+
+INDEX_FILE = "model.safetensors.index.json"   # Hugging Face's map of sharded tensors to files
 
 
 class CheckpointError(ValueError):
@@ -31,20 +36,21 @@ class CheckpointError(ValueError):
 
 
 def read_checkpoint(model_dir: Path, config: FamilyConfig) -> dict[str, torch.Tensor]:
-    """All tensors of all `*.safetensors` files in `model_dir`, under the family's names."""
+    """The tensors of the checkpoint in `model_dir`, under the family's names: those of the
+    files `model.safetensors.index.json` names, each where the index says it is, or, without
+    an index, of every `*.safetensors`."""
     family = model_class(config)
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        pickles = sorted(p.name for pattern in ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
-                         for p in model_dir.glob(pattern))
-        hint = f" (found {pickles}: pickle checkpoints are never loaded; convert to safetensors)" \
-            if pickles else ""
-        raise CheckpointError(f"no *.safetensors file in {model_dir}{hint}")
+    weight_map = _read_index(model_dir)
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, tuple[str, str]] = {}
-    for path in files:
+    for path in _checkpoint_files(model_dir, weight_map):
         with _open_safetensors(path) as f:
             for raw in f.keys():
+                if weight_map is not None and weight_map.get(raw) != path.name:
+                    where = "is not in it" if raw not in weight_map else \
+                        f"maps it to {weight_map[raw]}"
+                    raise CheckpointError(f"{path.name} holds tensor {raw!r}, but {INDEX_FILE} "
+                                          f"{where}: the index does not describe these files")
                 try:
                     name = family.canonical_name(raw, config)
                 except ValueError as e:
@@ -60,11 +66,63 @@ def read_checkpoint(model_dir: Path, config: FamilyConfig) -> dict[str, torch.Te
                 _check_weight_dtype(tensors[name], shown, path)
                 _check_finite(tensors[name], shown, f"in {path}")
                 origin[name] = (raw, path.name)
+    if weight_map is not None and len(origin) < len(weight_map):
+        found = {raw for raw, _ in origin.values()}
+        absent = sorted(raw for raw in weight_map if raw not in found)
+        raise CheckpointError(f"{INDEX_FILE} maps {len(absent)} tensors to files that do not hold "
+                              f"them: " + ", ".join(f"{raw!r} to {weight_map[raw]}"
+                                                    for raw in absent[:8]))
     try:
         family.prepare_checkpoint(tensors, config)
     except ValueError as e:
         raise CheckpointError(str(e)) from None
     return tensors
+
+
+def _read_index(model_dir: Path) -> dict[str, str] | None:
+    """The `weight_map` (tensor name -> file name) of `model_dir`'s index; None without one."""
+    path = model_dir / INDEX_FILE
+    if not path.exists() and not path.is_symlink():
+        return None
+    try:
+        weight_map = read_json(path).get("weight_map")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    if not (isinstance(weight_map, dict) and weight_map and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items())):
+        raise CheckpointError(f"{path}: expected a 'weight_map' object of tensor names to file "
+                              f"names, got {str(weight_map)[:80]}")
+    for file in set(weight_map.values()):
+        if file in ("", ".", "..") or "/" in file or "\\" in file:
+            raise CheckpointError(f"{path}: weight_map names the file {file!r}; shards are files "
+                                  f"of {model_dir}, named without a directory")
+    return weight_map
+
+
+def _checkpoint_files(model_dir: Path, weight_map: dict[str, str] | None) -> list[Path]:
+    if weight_map is not None:
+        names = sorted(set(weight_map.values()))
+        consolidated = model_dir / "model.safetensors"
+        if consolidated.name not in names and (consolidated.exists() or consolidated.is_symlink()):
+            # transformers reads model.safetensors then and ignores the index
+            raise CheckpointError(f"{model_dir} holds both model.safetensors and {INDEX_FILE}, "
+                                  "which names other files: transformers would load "
+                                  "model.safetensors, the index says otherwise; remove the one "
+                                  "that is stale")
+        for name in names:
+            if not (model_dir / name).exists():
+                count = sum(file == name for file in weight_map.values())
+                raise CheckpointError(f"{INDEX_FILE} maps {count} tensors to {name}, which is not "
+                                      f"in {model_dir}")
+        return [model_dir / name for name in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for pattern in ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+                         for p in model_dir.glob(pattern))
+        hint = f" (found {pickles}: pickle checkpoints are never loaded; convert to safetensors)" \
+            if pickles else ""
+        raise CheckpointError(f"no *.safetensors file in {model_dir}{hint}")
+    return files
 
 
 def check_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Size]) -> None:
@@ -106,14 +164,16 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
 
 def save_model(model_dir: str | Path, config: FamilyConfig, state_dict: dict[str, torch.Tensor],
                max_shard_bytes: int = 2 << 30) -> None:
-    """Write `config.json` and `model.safetensors` (or numbered shards past `max_shard_bytes`)."""
+    """Write `config.json` and `model.safetensors`, or, past `max_shard_bytes`, numbered shards
+    and the `model.safetensors.index.json` that maps each tensor to its shard (as Hugging
+    Face's `save_pretrained`)."""
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
-    for stale in model_dir.glob("*.safetensors"):  # a reused directory must not mix checkpoints
+    for stale in [*model_dir.glob("*.safetensors"), *model_dir.glob(INDEX_FILE)]:  # never mix checkpoints
         stale.unlink()
     (model_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
+    size = total = 0
     for name, tensor in state_dict.items():
         nbytes = tensor.numel() * tensor.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
@@ -121,11 +181,16 @@ def save_model(model_dir: str | Path, config: FamilyConfig, state_dict: dict[str
             size = 0
         shards[-1][name] = tensor.detach().to("cpu").contiguous().clone()
         size += nbytes
-    for index, shard in enumerate(shards):
-        name = "model.safetensors" if len(shards) == 1 else \
-            f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(model_dir / name), metadata={"format": "pt"})
-        (model_dir / name).chmod(_file_mode())   # safetensors writes 0600, whatever the umask
+        total += nbytes
+    files = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for file, shard in zip(files, shards):
+        save_file(shard, str(model_dir / file), metadata={"format": "pt"})
+        (model_dir / file).chmod(_file_mode())   # safetensors writes 0600, whatever the umask
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {name: file for file, shard in zip(files, shards) for name in shard}}
+        (model_dir / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def _file_mode() -> int:
