@@ -950,6 +950,41 @@ def test_an_index_that_does_not_describe_the_shards_is_refused(tmp_path, damage,
         assert word in message, (word, message)
 
 
+def test_a_failed_save_leaves_the_old_checkpoint_and_a_later_one_keeps_other_files(tmp_path):
+    directory = tmp_path / "model"
+    old = random_state_dict(ERROR_CONFIG, seed=73)
+    save_model(directory, ERROR_CONFIG, old, max_shard_bytes=10_000)
+    (directory / "items.bin").write_bytes(b"a catalog")
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+    assert len(before) > 4
+    config = NAIVE_CONFIGS["dense_gqa"]
+    new = random_state_dict(config, seed=74)
+    with pytest.warns(UserWarning, match="ComplexHalf"):   # safetensors has no complex32
+        new["zz.unsaveable"] = torch.zeros(4, dtype=torch.complex32)
+    with pytest.raises(KeyError):   # in the last shard: the first ones are written
+        save_model(directory, config, new, max_shard_bytes=10_000)
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]   # no temporary directory left
+    assert all(torch.equal(t, old[name]) for name, t in load_model(directory).state_dict().items())
+    del new["zz.unsaveable"]
+    save_model(directory, config, new)   # one file: the stale shards and index go, the catalog stays
+    assert sorted(p.name for p in directory.iterdir()) == ["config.json", "items.bin", "model.safetensors"]
+    assert (directory / "items.bin").read_bytes() == b"a catalog"
+    assert all(torch.equal(t, new[name]) for name, t in load_model(directory).state_dict().items())
+
+
+def test_save_replaces_the_directory_a_link_names_and_never_a_file(tmp_path):
+    sd = random_state_dict(ERROR_CONFIG, seed=75)
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to("real")
+    save_model(tmp_path / "link", ERROR_CONFIG, sd)
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "real" / "model.safetensors").is_file()
+    (tmp_path / "file").write_text("not a model")
+    with pytest.raises(NotADirectoryError, match="not a directory"):
+        save_model(tmp_path / "file", ERROR_CONFIG, sd)
+    assert (tmp_path / "file").read_text() == "not a model"
+
+
 @pytest.mark.parametrize("umask", [0o022, 0o027])
 def test_saved_files_have_the_umask_mode(tmp_path, umask):
     """safetensors writes 0600; a model directory must be readable as any other file the

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -24,7 +26,7 @@ from xrec.config.keys import read_json
 from xrec.model.family import RecModel
 from xrec.model.layers import stack_weights
 from xrec.model.registry import model_class
-from xrec.utils.files import FileRefused, check_regular_file
+from xrec.utils.files import FileRefused, atomic_directory, check_regular_file, fsync_directory
 
 
 INDEX_FILE = "model.safetensors.index.json"   # Hugging Face's map of sharded tensors to files
@@ -166,12 +168,13 @@ def save_model(model_dir: str | Path, config: FamilyConfig, state_dict: dict[str
                max_shard_bytes: int = 2 << 30) -> None:
     """Write `config.json` and `model.safetensors`, or, past `max_shard_bytes`, numbered shards
     and the `model.safetensors.index.json` that maps each tensor to its shard (as Hugging
-    Face's `save_pretrained`)."""
-    model_dir = Path(model_dir)
-    model_dir.mkdir(parents=True, exist_ok=True)
-    for stale in [*model_dir.glob("*.safetensors"), *model_dir.glob(INDEX_FILE)]:  # never mix checkpoints
-        stale.unlink()
-    (model_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    Face's `save_pretrained`). Whole or not at all: the files are written into a temporary
+    directory beside `model_dir`, which then replaces it (`atomic_directory`), so a failed or
+    killed save leaves the old checkpoint as it was. Other files of `model_dir` (a catalog, a
+    tokenizer) are kept; its other `*.safetensors` and index are not (never mix checkpoints)."""
+    model_dir = Path(model_dir).resolve()   # a symlink to the directory stays one
+    if model_dir.exists() and not model_dir.is_dir():
+        raise NotADirectoryError(f"model directory {model_dir} is not a directory")
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = total = 0
     for name, tensor in state_dict.items():
@@ -184,13 +187,49 @@ def save_model(model_dir: str | Path, config: FamilyConfig, state_dict: dict[str
         total += nbytes
     files = ["model.safetensors"] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for file, shard in zip(files, shards):
-        save_file(shard, str(model_dir / file), metadata={"format": "pt"})
-        (model_dir / file).chmod(_file_mode())   # safetensors writes 0600, whatever the umask
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {name: file for file, shard in zip(files, shards) for name in shard}}
-        (model_dir / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    with atomic_directory(model_dir, replace=True) as staging:
+        if model_dir.is_dir():
+            _keep_other_files(model_dir, staging)
+        (staging / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+        for file, shard in zip(files, shards):
+            save_file(shard, str(staging / file), metadata={"format": "pt"})
+            (staging / file).chmod(_file_mode())   # safetensors writes 0600, whatever the umask
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {name: file for file, shard in zip(files, shards) for name in shard}}
+            (staging / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            files.append(INDEX_FILE)
+        for file in ["config.json", *files]:   # on disk before the swap: a power loss keeps old or new
+            _fsync(staging / file)
+        fsync_directory(staging)
+
+
+def _keep_other_files(old: Path, new: Path) -> None:
+    """Hard links (copies where the file system has none) in `new` of what `old` holds
+    besides a checkpoint, and `old`'s mode on `new`."""
+    new.chmod(stat.S_IMODE(old.stat().st_mode))
+    for entry in old.iterdir():
+        if entry.name == "config.json" or entry.name.endswith((".safetensors", INDEX_FILE)):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, new / entry.name, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(entry, new / entry.name)
+
+
+def _link_or_copy(source: str | Path, target: str | Path) -> None:
+    try:
+        os.link(source, target, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(source, target, follow_symlinks=False)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _file_mode() -> int:
