@@ -90,6 +90,40 @@ def test_unsupported_settings_are_refused_naming_the_key(change, key):
         model_config_from_dict(raw)
 
 
+@pytest.mark.parametrize("theta", [1e-300, 1e-30, 0.5, 0.0, float("nan")])
+def test_a_rope_base_below_one_is_refused(theta):
+    """A base of 1e-300 (0 in float32) gave infinite frequencies: NaN scores, no results."""
+    raw = {**hf_config_dict("qwen3"), "rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+    with pytest.raises(ValueError, match="rope_theta': got .*expected a finite number >= 1"):
+        model_config_from_dict(raw)
+    raw["rope_parameters"]["rope_theta"] = 1.0
+    assert model_config_from_dict(raw).rope_theta == 1.0
+
+
+def test_max_position_embeddings_sizes_nothing(tmp_path):
+    """RoPE's tables are built for the positions a batch holds, never for max_position_embeddings:
+    a model saying 10^30 positions loads and scores as one saying 64."""
+    import torch
+
+    from xrec.model.inputs import ModelInputs
+    from xrec.model.loader import load_model, save_model
+    from xrec.model.random_init import random_state_dict
+
+    config = QwenConfig(**SMALL, max_position_embeddings=64, torch_dtype="float32")
+    weights = random_state_dict(config, seed=5)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    logits = []
+    for positions in (64, 10 ** 30):
+        save_model(tmp_path / str(positions), config.replace(max_position_embeddings=positions), weights)
+        model = load_model(tmp_path / str(positions), dtype=torch.float32)
+        assert model.config.max_positions == positions
+        with torch.inference_mode():
+            last, _ = model.prefill(ModelInputs(torch.tensor([prompt]), [len(prompt)], [], None, [], None,
+                                                [0]))
+            logits.append(model.logits(last))
+    assert torch.equal(*logits)
+
+
 def test_head_dim_default_needs_a_hidden_size_the_heads_divide():
     """Without head_dim (or with null) it is hidden_size / num_attention_heads; a hidden size
     the heads do not divide names both keys (it read "'head_dim': got 0")."""

@@ -66,8 +66,11 @@ class QwenConfig:
                              f"does not divide num_attention_heads={self.num_attention_heads}")
         if self.head_dim % 2:
             raise ValueError(f"config key 'head_dim': got {self.head_dim}, RoPE needs an even head_dim")
-        if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
-            raise ValueError(f"config key 'rope_theta': got {self.rope_theta!r}, expected a number > 0")
+        if not (math.isfinite(self.rope_theta) and self.rope_theta >= 1):
+            # below 1 the frequencies theta^(-2i/head_dim) exceed 1: at 1e-300 (0 in float32) they
+            # were inf, every score NaN and every request answered with no results
+            raise ValueError(f"config key 'rope_theta': got {self.rope_theta!r}, expected a finite "
+                             "number >= 1 (RoPE's base: 10,000 to 10^6 in public models)")
         check_epsilon("rms_norm_eps", self.rms_norm_eps)
         if self.model_type == "qwen3_moe":
             check_positive("num_experts", self.num_experts, MAX_EXPERTS)
