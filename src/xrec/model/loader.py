@@ -26,7 +26,8 @@ from xrec.config.keys import read_json
 from xrec.model.family import RecModel
 from xrec.model.layers import stack_weights
 from xrec.model.registry import model_class
-from xrec.utils.files import FileRefused, atomic_directory, check_regular_file, fsync_directory
+from xrec.utils.files import (FileRefused, atomic_directory, check_regular_file, fsync_path,
+                              new_file_mode)
 
 
 INDEX_FILE = "model.safetensors.index.json"   # Hugging Face's map of sharded tensors to files
@@ -193,15 +194,15 @@ def save_model(model_dir: str | Path, config: FamilyConfig, state_dict: dict[str
         (staging / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
         for file, shard in zip(files, shards):
             save_file(shard, str(staging / file), metadata={"format": "pt"})
-            (staging / file).chmod(_file_mode())   # safetensors writes 0600, whatever the umask
+            (staging / file).chmod(new_file_mode())   # safetensors writes 0600, whatever the umask
         if len(shards) > 1:
             index = {"metadata": {"total_size": total},
                      "weight_map": {name: file for file, shard in zip(files, shards) for name in shard}}
             (staging / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
             files.append(INDEX_FILE)
         for file in ["config.json", *files]:   # on disk before the swap: a power loss keeps old or new
-            _fsync(staging / file)
-        fsync_directory(staging)
+            fsync_path(staging / file)
+        fsync_path(staging)
 
 
 def _keep_other_files(old: Path, new: Path) -> None:
@@ -224,19 +225,6 @@ def _link_or_copy(source: str | Path, target: str | Path) -> None:
         shutil.copy2(source, target, follow_symlinks=False)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _file_mode() -> int:
-    """The mode `open()` gives a new file: 0666 less the umask (0644 with umask 022)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
 
 
 @contextmanager

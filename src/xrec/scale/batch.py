@@ -48,7 +48,7 @@ from xrec.errors import XrecError
 from xrec.scale.rows import (InputInfo, RowError, RowSettings, answer_record, check_input,
                              decode_row, error_record, file_format, iter_chunks, naming_os_errors,
                              output_records, output_schema_for, pyarrow_modules, write_records)
-from xrec.utils.files import fsync_directory
+from xrec.utils.files import fsync_path
 
 if TYPE_CHECKING:
     from xrec.engine.engine import Engine
@@ -340,7 +340,7 @@ def write_manifest(out: Path, identity: dict, num_done_chunks: int, num_done_row
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out / MANIFEST)
-        fsync_directory(out)
+        fsync_path(out)
 
 
 # ---- chunks ----------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from typing import Any, Iterator, Sequence
 import orjson
 
 from xrec.api_types import RecRequest, RecResponse
-from xrec.utils.files import fsync_directory
+from xrec.utils.files import fsync_path
 
 INPUT_FIELDS = ("token_ids", "prompt", "sparse_embedding")
 FILTER_FIELDS = ("exclude_items",)   # optional columns, RecRequest fields of the same names
@@ -397,7 +397,7 @@ def write_records(path: Path, records: Sequence[dict], fmt: str, schema: Any = N
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        fsync_directory(path.parent)
+        fsync_path(path.parent)
 
 
 @contextmanager

@@ -11,8 +11,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["FileRefused", "atomic_directory", "check_regular_file", "fsync_directory",
-           "read_regular_file", "write_file_atomically", "xrec_home"]
+__all__ = ["FileRefused", "atomic_directory", "check_regular_file", "fsync_path",
+           "new_file_mode", "read_regular_file", "write_file_atomically", "xrec_home"]
 
 
 @contextmanager
@@ -50,24 +50,29 @@ def write_file_atomically(path: str | Path, data: bytes) -> None:
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(handle, "wb") as file:
-            os.fchmod(file.fileno(), 0o666 & ~_umask())  # mkstemp's 0600 would outlive the rename
+            os.fchmod(file.fileno(), new_file_mode())  # mkstemp's 0600 would outlive the rename
             file.write(data)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
-        fsync_directory(path.parent)   # the rename itself survives a power loss
+        fsync_path(path.parent)   # the rename itself survives a power loss
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
 
 
-def fsync_directory(directory: str | Path) -> None:
-    """Make the names just renamed into `directory` durable."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+def fsync_path(path: str | Path) -> None:
+    """Make a file's content, or the names just renamed into a directory, durable."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def new_file_mode() -> int:
+    """The mode `open()` gives a new file: 0666 less the umask (0644 with umask 022)."""
+    return 0o666 & ~_umask()
 
 
 def _umask() -> int:
