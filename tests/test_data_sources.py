@@ -192,6 +192,30 @@ def test_recbole_tsv_with_crlf_and_blank_line(tmp_path):
     assert data.timestamps.tolist() == [1.5, 2.0]
 
 
+@pytest.mark.parametrize("end", ["\n", "\r\n", "\r"])
+@pytest.mark.parametrize("header", ["user_id\titem_id\ttimestamp", "user_id,item_id,timestamp",
+                                    '"user_id",item_id,timestamp'])   # tabs, commas, quotes
+def test_lf_crlf_and_cr_alone_each_end_a_line(tmp_path, header, end):
+    """CR alone (classic Mac OS, some spreadsheet exports) read as one line: "no interactions
+    after the header", or a header holding the whole file. A row's line number counts them."""
+    sep = "\t" if "\t" in header else ","
+    rows = [sep.join(row) for row in (("u1", "a", "1"), ("u2", "b", "2"), ("u1", "b", "3"))]
+    path = tmp_path / "log.txt"
+    path.write_bytes(end.join([header, rows[0], "", *rows[1:], ""]).encode())
+    data = load_dataset(str(path))
+    assert data.user_ids == ("u1", "u2") and data.item_ids == ("a", "b")
+    assert data.users.tolist() == [0, 1, 0] and data.timestamps.tolist() == [1.0, 2.0, 3.0]
+    path.write_bytes(end.join([header, rows[0], "", sep.join(("u3", "c", "later")), ""]).encode())
+    with pytest.raises(DataError, match="line 4: timestamp 'later'"):
+        load_dataset(str(path))
+
+
+def test_mixed_line_endings_each_end_a_line(tmp_path):
+    path = tmp_path / "log.csv"
+    path.write_bytes(b"user_id,item_id,timestamp\ru1,a,1\r\nu2,b,2\nu3,c,3\r")
+    assert load_dataset(str(path)).user_ids == ("u1", "u2", "u3")
+
+
 @pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be"])
 def test_utf16_file_with_a_byte_order_mark(tmp_path, encoding):
     """Excel's "Unicode text" and Windows PowerShell's `>` write UTF-16 with a byte-order

@@ -8,8 +8,8 @@ is an interaction (no rating threshold, no k-core filter).
 
 `load_dataset(path)` reads a user's file:
 
-- text (UTF-8, else Latin-1; UTF-16 with a byte-order mark), one interaction per line, LF or
-  CRLF line endings;
+- text (UTF-8, else Latin-1; UTF-16 with a byte-order mark), one interaction per line; LF,
+  CRLF and CR alone (classic Mac OS, some spreadsheet exports) each end a line;
 - a header line naming `user_id`, `item_id` and `timestamp` once each, in any order; names
   may carry RecBole's type suffix (`user_id:token`, `timestamp:float`) and other columns
   are ignored, so RecBole's `.inter` files are read as they are;
@@ -214,8 +214,10 @@ def _decode(data: bytes, where: str) -> str:
 def _read_table(text: str, where: str) -> tuple[list[str], list[list[str]], np.ndarray | None]:
     """(column names without type suffixes, columns of fields, file line number per row or None
     when row r is line r + 2)."""
+    if "\r" in text:   # CRLF and CR alone end a line as LF does (CR alone read as one line)
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
     end = text.find("\n")
-    header = (text if end < 0 else text[:end]).rstrip("\r")
+    header = text if end < 0 else text[:end]
     if not header.strip():
         raise DataError(f"{where}: empty file or empty first line; expected a header naming "
                         f"{', '.join(REQUIRED_COLUMNS)}")
@@ -230,7 +232,7 @@ def _read_table(text: str, where: str) -> tuple[list[str], list[list[str]], np.n
 
 def _read_plain(text: str, delimiter: str, where: str) -> tuple[list[list[str]], np.ndarray | None]:
     """Unquoted fields: one C-level split for the whole file; returns [header, *columns]."""
-    lines = text.replace("\r\n", "\n").split("\n")
+    lines = text.split("\n")
     while lines and not lines[-1]:
         lines.pop()
     if len(lines) < 2:
