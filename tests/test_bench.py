@@ -368,6 +368,21 @@ def test_batch_error_rows_are_not_answers(home, tmp_path):
     assert "| contender | rows | errors |" in table and "| batch | 200 | 200 |" in table
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the neighbour takes one of 2+ CPUs")
+def test_contention_batch_error_rows_are_not_answers(home, tmp_path, capsys):
+    """The batch workload took `xrec batch`'s own rows/s, which counts the error records
+    written at once for rows the engine refuses: rows longer than the model takes were
+    measured as thousands of rows/s. Rows/s counts the rows answered (`answered_per_s`, as
+    `xrec bench batch` does), and none answered is an argument error naming the refusal
+    (a rate of 0 left busy / idle undefined), not a traceback."""
+    assert main(["contention", *TINY, "--out", str(tmp_path), "--workloads", "batch",
+                 "--length", "9000", "--beam-width", "4", "--rows", "40", "--rounds", "1"]) == 1
+    said = capsys.readouterr().err
+    assert "xrec bench contention: error: batch workload: xrec batch answered none of its " \
+           "40 rows (the first error record: INVALID_ARGUMENT: " in said, said
+    assert not list(tmp_path.glob("*.json"))
+
+
 def _spinning_children(pid: int) -> list[int]:
     """Processes whose parent is `pid` and that run contention's spinning neighbour."""
     return _children(pid, b"while True")

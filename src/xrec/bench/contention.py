@@ -4,7 +4,8 @@ Workloads, each measured in a fresh process that uses every core of this machine
 `--threads`, default all):
 
     serve   `Engine.recommend` on batches of `--num-requests` random requests (W, L)
-    batch   `xrec batch` in process on a file of `--rows` random requests
+    batch   `xrec batch` in process on a file of `--rows` random requests (rows/s answered:
+            error records are no answers, as in `xrec bench batch`; none answered is an error)
     train   `xrec train`'s decoder-only step (its default model, batch 32, windows of 50 items)
 
 Policies: `fixed` keeps the thread count whatever the load (what xrec did before; the
@@ -101,7 +102,10 @@ def _measure_in_fresh_process(setting: dict, busy: bool) -> float:
             neighbour.wait()
     if done.returncode != 0:
         raise RuntimeError(f"the measuring process failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return float(json.loads(done.stdout.strip().splitlines()[-1])["per_s"])
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    if "error" in measured:   # settings the workload refuses: an argument error, not a rate
+        raise ValueError(f"{setting['workload']} workload: {measured['error']}")
+    return float(measured["per_s"])
 
 
 UNITS = {"serve": "requests/s", "batch": "rows/s", "train": "steps/s"}
@@ -148,8 +152,9 @@ def _serve_rate(setting: dict, adaptive: bool) -> float:
 
 
 def _batch_rate(setting: dict, adaptive: bool) -> float:
-    from xrec.bench.batch import write_input
+    from xrec.bench.batch import answered_per_s, write_input
     from xrec.config import ModelConfig
+    from xrec.errors import InvalidArgument
     from xrec.scale.batch import BatchJob, run_batch
     from xrec.scale.rows import RowSettings
 
@@ -161,7 +166,17 @@ def _batch_rate(setting: dict, adaptive: bool) -> float:
                        settings=RowSettings(beam_width=setting["beam_width"]), progress=False,
                        engine_options={"num_threads": setting["threads"],
                                        "adaptive_threads": adaptive, **dtype_option(setting)})
-        return run_batch(job).rows_per_s
+        summary = run_batch(job)
+        if summary.num_errors == summary.num_rows:   # no answer: no rate to compare
+            raise InvalidArgument(f"xrec batch answered none of its {summary.num_rows} rows "
+                                  f"(the first error record: {_first_error(job.output)})")
+        return answered_per_s(summary)
+
+
+def _first_error(output: str) -> str:
+    from xrec.scale.rows import read_output
+
+    return next(r["error"] for r in read_output(output) if r["error"] is not None)
 
 
 def _train_rate(setting: dict, adaptive: bool) -> float:
@@ -205,4 +220,9 @@ def _runs_per_s(work, seconds: float) -> float:
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure(json.loads(sys.argv[1]))))
+    from xrec.errors import InvalidArgument
+
+    try:
+        print(json.dumps(measure(json.loads(sys.argv[1]))))
+    except InvalidArgument as e:   # e.g. requests longer than the model takes: the bench names it
+        print(json.dumps({"error": str(e)}))
