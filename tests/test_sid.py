@@ -105,6 +105,63 @@ def test_svd_dim_beyond_rank_pads_zero_columns():
     assert not emb[:, 40:].any()
 
 
+def _wide_split(num_items: int, num_users: int, per_user: int = 2, seed: int = 0) -> Split:
+    """Every user met `per_user` random items of `num_items` in training; user 0's test item
+    is one more, LONELY, absent from training (no other valid or test item)."""
+    rng = np.random.default_rng(seed)
+    train = rng.integers(0, num_items, (num_users, per_user)).astype(np.int32)  # [U, per_user]
+    users = np.repeat(np.arange(num_users, dtype=np.int32), per_user)
+    data = Interactions("wide", tuple(f"u{u}" for u in range(num_users)),
+                        tuple(f"i{i}" for i in range(num_items)) + (LONELY,),
+                        np.append(users, 0), np.append(train.ravel(), num_items),
+                        np.arange(train.size + 1, dtype=np.float64))
+    none = np.full(num_users, -1, np.int32)
+    test = none.copy()
+    test[0] = num_items
+    return Split(data, tuple(train), none, test)
+
+
+@pytest.mark.parametrize("split, dim", [(SPLIT, 30), (SPLIT, 100), (_wide_split(6, 300), 8)],
+                         ids=["few users", "dim past the rank", "few items"])
+def test_exact_svd_equals_numpys_svd_of_the_dense_matrix(split, dim):
+    """The exact route (one side of X at most 2·dim) eigen-decomposes the Gram matrix of the
+    smaller side; numpy's SVD of the dense X (the route it replaces) is the oracle, up to
+    each column's sign, which neither fixes. An item absent from training has a zero row:
+    numpy's SVD gave it rounding noise, which the row normalisation made a unit vector."""
+    emb = interaction_embeddings(split, dim=dim)
+    dense = sid_embeddings._item_user_matrix(split).toarray()  # [I, U]
+    assert min(dense.shape) <= 2 * dim
+    left, sigma, _ = np.linalg.svd(dense, full_matrices=False)
+    rank = min(dim, len(sigma))
+    oracle = np.zeros((len(dense), dim))
+    oracle[:, :rank] = left[:, :rank] * sigma[:rank]
+    lonely = split.data.item_ids.index(LONELY)
+    oracle[lonely] = 0
+    oracle /= np.maximum(np.linalg.norm(oracle, axis=1, keepdims=True), 1e-300)
+    signs = np.where((emb * oracle).sum(axis=0) < 0, -1, 1)  # [dim]
+    np.testing.assert_allclose(emb * signs, oracle, atol=1e-5)
+    assert not emb[lonely].any()
+
+
+def test_exact_svd_of_few_items_and_many_users_allocates_no_dense_matrix():
+    """100 items, 100,000 users (dim 64: the exact route): the dense item × user matrix it
+    took is 80 MB here, 800 MB for 50 items and 2 million users; the Gram route holds the
+    sparse matrix and a [100, 100] one."""
+    import tracemalloc
+
+    split = _wide_split(100, 100_000)
+    interaction_embeddings(SPLIT, dim=30)  # scikit-learn and threadpoolctl imported before
+    dense_bytes = 100 * 100_000 * 8
+    tracemalloc.start()
+    try:
+        emb = interaction_embeddings(split, dim=64)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert emb.shape == (101, 64)   # and LONELY
+    assert peak < dense_bytes / 2, f"peak {peak / 1e6:.0f} MB"
+
+
 def test_residual_kmeans_levels_add_up(svd_embeddings):
     quantized = residual_kmeans(svd_embeddings, levels=3, codebook_size=8, seed=0)
     assert quantized.codes.shape == (len(svd_embeddings), 3)

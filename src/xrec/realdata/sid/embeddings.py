@@ -57,6 +57,26 @@ def interaction_embeddings(split: Split, dim: int = 64, seed: int = 0) -> np.nda
     (a matrix smaller than `dim`), so the shape is always [num_items, dim].
     """
     check_dim(dim)
+    matrix = _item_user_matrix(split)  # [I, U]
+    out = np.zeros((split.data.num_items, dim), dtype=np.float64)  # [I, dim]
+    if matrix.nnz == 0:
+        return out.astype(np.float32)
+    from sklearn.decomposition import TruncatedSVD  # before the limit: it loads BLAS
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=1, user_api="blas"):  # xrec.realdata.sid.kmeans.ONE_BLAS_THREAD
+        if min(matrix.shape) <= 2 * dim:  # few items or few users: exact
+            rows = _exact_svd_rows(matrix, dim)  # [I, rank]
+            out[:, :rows.shape[1]] = rows
+        else:
+            svd = TruncatedSVD(n_components=dim, algorithm="randomized", n_iter=7,
+                               random_state=seed)
+            out[:] = svd.fit_transform(matrix)  # [I, dim] = U·Σ
+    return _l2_normalize(out).astype(np.float32)
+
+
+def _item_user_matrix(split: Split):
+    """The weighted sparse item × user matrix X [I, U] of `interaction_embeddings`."""
     from scipy import sparse
 
     num_items, num_users = split.data.num_items, split.data.num_users
@@ -71,24 +91,28 @@ def interaction_embeddings(split: Split, dim: int = 64, seed: int = 0) -> np.nda
     user_counts = np.asarray(matrix.sum(axis=0)).ravel()  # [U]
     matrix = matrix @ sparse.diags(1 / np.sqrt(np.maximum(user_counts, 1)))
     item_norms = np.sqrt(np.asarray(matrix.multiply(matrix).sum(axis=1)).ravel())  # [I]
-    matrix = sparse.diags(1 / np.where(item_norms > 0, item_norms, 1)) @ matrix  # [I, U]
+    return sparse.diags(1 / np.where(item_norms > 0, item_norms, 1)) @ matrix  # [I, U]
 
-    out = np.zeros((num_items, dim), dtype=np.float64)  # [I, dim]
-    if matrix.nnz == 0:
-        return out.astype(np.float32)
-    from sklearn.decomposition import TruncatedSVD  # before the limit: it loads BLAS
-    from threadpoolctl import threadpool_limits
 
-    with threadpool_limits(limits=1, user_api="blas"):  # xrec.realdata.sid.kmeans.ONE_BLAS_THREAD
-        if min(matrix.shape) <= 2 * dim:  # small: the exact SVD of the dense matrix
-            left, sigma, _ = np.linalg.svd(matrix.toarray(), full_matrices=False)
-            rank = min(dim, len(sigma))
-            out[:, :rank] = left[:, :rank] * sigma[:rank]
-        else:
-            svd = TruncatedSVD(n_components=dim, algorithm="randomized", n_iter=7,
-                               random_state=seed)
-            out[:] = svd.fit_transform(matrix)  # [I, dim] = U·Σ
-    return _l2_normalize(out).astype(np.float32)
+def _exact_svd_rows(matrix, dim: int) -> np.ndarray:
+    """U·Σ [I, min(dim, rank)] of the sparse [I, U] `matrix`, exactly, from the eigenvectors
+    of its Gram matrix on the smaller side, built sparsely: X Xᵀ = U Σ² Uᵀ (few items), or
+    Xᵀ X = V Σ² Vᵀ and U·Σ = X V (few users). Memory min(I, U)², where a dense X of 50 items
+    and 2 million users took 800 MB. Eigenvalues at the Gram's rounding level (n·eps of the
+    largest) are rank lost, not components: their root would be noise."""
+    is_few_items = matrix.shape[0] <= matrix.shape[1]
+    gram = (matrix @ matrix.T if is_few_items else matrix.T @ matrix).toarray()  # [n, n]
+    eigenvalues, vectors = np.linalg.eigh(gram)  # ascending
+    eigenvalues, vectors = eigenvalues[::-1], vectors[:, ::-1]
+    floor = eigenvalues[0] * len(gram) * np.finfo(np.float64).eps
+    rank = min(dim, int(np.count_nonzero(eigenvalues > floor)))
+    if not is_few_items:
+        return np.asarray(matrix @ vectors[:, :rank])  # [I, rank] = X V = U·Σ
+    rows = vectors[:, :rank] * np.sqrt(eigenvalues[:rank])  # [I, rank] = U·Σ
+    # an item without a training interaction: a zero row of X, in U·Σ up to rounding, which
+    # the row normalisation made a unit vector of noise (so did numpy's SVD)
+    rows[matrix.getnnz(axis=1) == 0] = 0
+    return rows
 
 
 def _text_model_dir() -> Path:
