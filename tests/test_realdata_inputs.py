@@ -131,6 +131,38 @@ def test_eval_refuses_two_models_of_one_name_before_ranking(split, tmp_path):
     assert not (tmp_path / "eval").exists()
 
 
+def test_eval_into_a_reused_out_keeps_only_its_own_predictions(split, tmp_path):
+    """`--out` reused by a run that ranks fewer models (or none): the earlier run's
+    predictions-<model>.jsonl (and predictions.jsonl) stayed beside an eval.json that does
+    not name them. Each run now removes the predictions files it does not write, names its
+    own in eval.json's `predictions`, and leaves every other file alone."""
+    sid = tmp_path / "sid"
+    build_sid_dir(split, sid, embeddings="svd", codebook_size=8, dim=8)
+    first = _tiny_model(split, sid, tmp_path / "first")
+    second = tmp_path / "second"
+    shutil.copytree(first, second)
+    out = tmp_path / "eval"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+
+    def evaluate(models, baselines=()) -> list[str]:
+        eval_run.evaluate(split, models, out,
+                          eval_run.EvalOptions(beam_width=10, baselines=baselines),
+                          progress=False, log=lambda *_: None)
+        return sorted(p.name for p in out.glob("predictions*"))
+
+    def named() -> dict:
+        return json.loads((out / "eval.json").read_text())["predictions"]
+
+    assert evaluate([first, second]) == ["predictions-second.jsonl", "predictions.jsonl"]
+    assert named() == {"xrec qwen3 (first)": "predictions.jsonl",
+                       "xrec qwen3 (second)": "predictions-second.jsonl"}
+    assert evaluate([second]) == ["predictions.jsonl"]
+    assert named() == {"xrec qwen3 (second)": "predictions.jsonl"}
+    assert evaluate([], baselines=("most-popular",)) == [] and named() == {}
+    assert (out / "notes.txt").read_text() == "mine"
+
+
 def _write_csv(data, path, rows=None):
     """`data` as an interactions file, its rows in the order `rows` (default: as they are)."""
     rows = range(len(data)) if rows is None else rows

@@ -21,7 +21,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
         "eval", help="HR@k / NDCG@k of trained models and baselines on a dataset",
         description="Leave-one-out, ranking over all items, with and without the items a user "
                     "has already seen. Writes eval.json, eval.md, eval.png and "
-                    "predictions.jsonl (the first model's ranking per test user).")
+                    "predictions.jsonl (the first model's ranking per test user; "
+                    "predictions-<model dir>.jsonl for the others). A reused --out keeps "
+                    "only this run's predictions files.")
     ev.add_argument("--data", required=True, help="ml-1m, ml-100k, or an interaction file")
     ev.add_argument("--model", action="append", default=[], help="a model directory of "
                     "`xrec train` (repeatable; default: those under $XREC_HOME/runs/<dataset>)")
@@ -80,6 +82,7 @@ def run_eval(args: argparse.Namespace) -> int:
                          "and --baselines none")
     split = leave_one_out(load_dataset(args.data))
     out = Path(args.out) if args.out else run_dir(args.data) / "eval"
-    evaluate(split, models, out, options, progress=not args.no_progress)
-    print(f"wrote {out}/eval.md, eval.json, eval.png, predictions.jsonl")
+    report = evaluate(split, models, out, options, progress=not args.no_progress)
+    print(f"wrote {out}/" + ", ".join(["eval.md", "eval.json", "eval.png",
+                                       *report["predictions"].values()]))
     return 0

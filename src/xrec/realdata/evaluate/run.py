@@ -147,6 +147,8 @@ def evaluate(split: Split, model_dirs: list[Path], out_dir: Path, options: EvalO
               "seconds": {n: round(t, 2) for n, t in timings.items()},
               "published": PUBLISHED.get(split.data.name, {}),
               "models": {_model_name(d): str(d) for d in model_dirs},
+              "predictions": {_model_name(d): _predictions_file(i, d)
+                              for i, d in enumerate(model_dirs)},
               "notes": _notes(options, bool(model_dirs), training.get("sasrec", {}),
                               {_model_name(d): training[_model_name(d)] for d in model_dirs})}
     _write(out_dir, report, split, users, targets, rankings, model_dirs)
@@ -317,7 +319,16 @@ def _rank_baseline(name: str, split: Split, options: EvalOptions, k: int, progre
             rank_baseline(name, split, options.stage, k, exclude_seen=True)), {}
 
 
+def _predictions_file(index: int, model_dir: Path) -> str:
+    """The first model's ranking is predictions.jsonl, another's predictions-<dir name>.jsonl."""
+    return "predictions.jsonl" if index == 0 else f"predictions-{Path(model_dir).name}.jsonl"
+
+
 def _write(out_dir: Path, report: dict, split: Split, users, targets, rankings, model_dirs):
+    # a reused --out kept the predictions of an earlier run's models beside this eval.json
+    for stale in {*out_dir.glob("predictions.jsonl"), *out_dir.glob("predictions-*.jsonl")}:
+        if stale.name not in report["predictions"].values():
+            stale.unlink()
     rows = {**report["metrics"], **report["published"]}
     columns = ("hr@5", "hr@10", "ndcg@10", "hr@50", "ndcg@50")
     facts = ("epochs", "best_epoch", "parameters", "train_seconds")
@@ -335,10 +346,8 @@ def _write(out_dir: Path, report: dict, split: Split, users, targets, rankings, 
         f"normalize={options['normalize']}. Seconds: {timed}.\n" + (f"\n{notes}" if notes else "")
         + _agreement_section(report))
     item_ids, user_ids = split.data.item_ids, split.data.user_ids
-    for index, ranked in enumerate(rankings.values()):
-        path = out_dir / ("predictions.jsonl" if index == 0 else
-                          f"predictions-{Path(model_dirs[index]).name}.jsonl")
-        with open(path, "w") as f:
+    for name, ranked in rankings.items():
+        with open(out_dir / report["predictions"][name], "w") as f:
             for u, t, row in zip(users, targets, ranked):
                 f.write(json.dumps({"user_id": user_ids[u], "target": item_ids[t],
                                     "ranked": [item_ids[i] for i in row if i >= 0]}) + "\n")
