@@ -163,6 +163,24 @@ def test_eval_into_a_reused_out_keeps_only_its_own_predictions(split, tmp_path):
     assert (out / "notes.txt").read_text() == "mine"
 
 
+def test_eval_refuses_two_models_that_would_write_one_predictions_file(split, tmp_path):
+    """Rows are named by family and directory, predictions files after the first by
+    directory alone: exp1/m (qwen3) and exp2/m (onerec) are two rows, and the later one's
+    rankings overwrote the earlier's predictions-m.jsonl."""
+    sid = tmp_path / "sid"
+    build_sid_dir(split, sid, embeddings="svd", codebook_size=8, dim=8)
+    first = _tiny_model(split, sid, tmp_path / "first")
+    qwen3 = _tiny_model(split, sid, tmp_path / "exp1" / "m")
+    onerec = tmp_path / "exp2" / "m"
+    train(split, sid, onerec, TrainOptions(family="onerec", epochs=1, **SMALL), progress=False,
+          log=lambda *_: None, threads=1)
+    with pytest.raises(ValueError, match=r"--model .*exp1/m and .*exp2/m: both would be "
+                                         r"written to predictions-m.jsonl"):
+        eval_run.evaluate(split, [first, qwen3, onerec], tmp_path / "eval",
+                          eval_run.EvalOptions(baselines=()), progress=False, log=lambda *_: None)
+    assert not (tmp_path / "eval").exists()
+
+
 def _write_csv(data, path, rows=None):
     """`data` as an interactions file, its rows in the order `rows` (default: as they are)."""
     rows = range(len(data)) if rows is None else rows

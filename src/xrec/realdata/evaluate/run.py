@@ -156,15 +156,17 @@ def evaluate(split: Split, model_dirs: list[Path], out_dir: Path, options: EvalO
 
 
 def _check_distinct_names(model_dirs: list[Path]) -> None:
-    """Rows are named by family and directory name: two models of one name made one row (the
-    other's metrics lost), before any ranking is done."""
+    """Rows are named by family and directory name, predictions files after the first by
+    directory name: two models of one name made one row or one file (the other's metrics or
+    rankings lost), before any ranking is done."""
     seen: dict[str, Path] = {}
-    for model_dir in model_dirs:
-        name = _model_name(model_dir)
-        if name in seen:
-            raise ValueError(f"--model {seen[name]} and {model_dir}: both would be the row "
-                             f"{name!r}; give the directories distinct names")
-        seen[name] = model_dir
+    for index, model_dir in enumerate(model_dirs):
+        for name in (f"the row {_model_name(model_dir)!r}",
+                     f"written to {_predictions_file(index, model_dir)}"):
+            if name in seen:
+                raise ValueError(f"--model {seen[name]} and {model_dir}: both would be {name}; "
+                                 f"give the directories distinct names")
+            seen[name] = model_dir
 
 
 def _check_no_final_fit(model_dirs: list[Path]) -> None:
