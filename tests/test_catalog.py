@@ -13,6 +13,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from xrec.catalog import CatalogError, ItemCatalog, random_catalog  # noqa: E402
+from xrec.catalog.formats import read_extended  # noqa: E402
 from xrec.errors import InvalidArgument  # noqa: E402
 
 WORKED_TRIPLES = [(1, 2, 3), (1, 2, 4), (1, 5, 6), (7, 8, 9), (7, 8, 10)]
@@ -208,6 +209,83 @@ def test_oversize_string(tmp_path):
         ItemCatalog.read(path, 4, extended=True)
     with pytest.raises(CatalogError, match="did of row 0"):
         ItemCatalog.from_arrays([1], [(0, 0, 0)], 4, dids=["é" * (1 << 19) + "x"], types=[""])
+
+
+def _read_extended_one_by_one(path, vocab_size: int):
+    """The extended reader as it was, record by record: the oracle of the vectorised one."""
+    data, records, offset = path.read_bytes(), [], 0
+    while offset < len(data):
+        start = offset
+
+        def take(size, field):
+            nonlocal offset
+            if offset + size > len(data):
+                raise CatalogError(f"catalog {path}: trailing partial record at offset {start}: "
+                                   f"{field} needs bytes [{offset}, {offset + size}) but the "
+                                   f"file ends at {len(data)}")
+            offset += size
+            return data[offset - size:offset]
+
+        record = [struct.unpack("<q", take(8, "item_id"))[0]]
+        for field in ("did", "type"):
+            (size,) = struct.unpack("<I", take(4, f"{field}_len"))
+            if size > 1 << 20:
+                raise CatalogError(f"catalog {path}: record at offset {start}: {field}_len = "
+                                   f"{size} at offset {offset - 4} exceeds the limit of "
+                                   f"{1 << 20} bytes")
+            try:
+                record.append(take(size, field).decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                raise CatalogError(f"catalog {path}: record at offset {start}: {field} at "
+                                   f"offset {offset - size} is not UTF-8 ({exc.reason})") from exc
+        tokens = struct.unpack("<3i", take(12, "tokens"))
+        for level, token in enumerate(tokens):
+            if not 0 <= token < vocab_size:   # reported after every record is read
+                record.append((start, level, token))
+                break
+        records.append((record, tokens))
+    bad = next((r[-1] for r, _ in records if len(r) == 4), None)
+    if bad is not None:
+        raise CatalogError(f"catalog {path}: record at offset {bad[0]}: token t{bad[1]} = "
+                           f"{bad[2]} is outside [0, {vocab_size})")
+    return ([r[0] for r, _ in records], [t for _, t in records], [r[1] for r, _ in records],
+            [r[2] for r, _ in records])
+
+
+_STRINGS = st.one_of(st.text(max_size=6).map(lambda s: s.encode("utf-8", "surrogatepass")),
+                     st.binary(max_size=4), st.sampled_from([b"\xc3", b"\xa9", b"\x00", b"\xff"]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(-(1 << 63), (1 << 63) - 1), _STRINGS, _STRINGS,
+                          st.tuples(*[st.integers(-1, 4)] * 3)), max_size=6),
+       st.one_of(st.none(), st.integers(0, 200)), st.binary(max_size=30),
+       st.one_of(st.none(), st.sampled_from([(1 << 20) + 1, 1 << 31, (1 << 32) - 1])))
+def test_the_extended_reader_reads_and_refuses_as_record_by_record(
+        tmp_path_factory, records, cut, tail, oversize):
+    """Byte for byte what the record-by-record reader gave, or its error: a string that is
+    not UTF-8 (alone: b"\xc3" then b"\xa9" is not two halves of "é"), one that holds a
+    NUL, a cut anywhere, trailing bytes, a length over the limit, a token outside [0, 4)."""
+    data = b"".join(_extended_record(item_id, did, type_, triple)
+                    for item_id, did, type_, triple in records)
+    if oversize is not None and records:   # the last record's did_len
+        data = data[:len(data) - len(_extended_record(0, records[-1][1], records[-1][2], (0, 0, 0)))
+                    ] + struct.pack("<qI", 1, oversize) + b"x" * 20
+    data = (data if cut is None else data[:cut]) + (tail if cut is None else b"")
+    path = tmp_path_factory.mktemp("ext") / "c.bin"
+    path.write_bytes(data)
+    try:
+        expected = _read_extended_one_by_one(path, 4)
+    except CatalogError as exc:
+        with pytest.raises(CatalogError) as info:
+            ItemCatalog.read(path, 4, extended=True)
+        assert str(info.value) == str(exc)
+        return
+    columns = read_extended(path, 4)
+    assert columns.item_ids.dtype == np.int64 and columns.triples.dtype == np.int32
+    assert columns.triples.shape == (len(expected[0]), 3) and columns.triples.flags.c_contiguous
+    assert (columns.item_ids.tolist(), columns.triples.tolist(), columns.dids,
+            columns.types) == (expected[0], [list(t) for t in expected[1]], expected[2], expected[3])
 
 
 @pytest.mark.parametrize("line", ["5,1,2", "5,1,2,x", "5;1;2;3", "5,1,2,3,4", "5,1.5,2,3"])

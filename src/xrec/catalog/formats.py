@@ -25,7 +25,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -44,6 +44,9 @@ _INTEGER = re.compile(r"-?[0-9]+")
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")
 MAX_INT64_CHARS = len(str(-(1 << 63)))  # 20: a longer decimal is never an int64
 _TEXT_FIELDS = ("item_id", "t0", "t1", "t2")
+_EXTENDED_FIXED_BYTES = 8 + 4 + 4 + 12  # an extended record without its two strings
+_UINT32 = struct.Struct("<I")
+_STRING_FIELDS = ("did", "type")
 
 
 class CatalogError(InvalidArgument):
@@ -125,46 +128,128 @@ def read_binary(path: str | os.PathLike, vocab_size: int) -> CatalogColumns:
 
 
 def read_extended(path: str | os.PathLike, vocab_size: int) -> CatalogColumns:
-    """Reads extended records (with did and type strings), one record at a time."""
+    """Reads extended records (with did and type strings): one walk over the length fields
+    (`_walk_records`), then numpy over the whole buffer. A bad file raises the first problem
+    in file order (inside a record, in the order of its fields)."""
     path = Path(path)
     data = _read_bytes(path)
-    end = len(data)
-    item_ids, dids, types, tokens, record_offsets = [], [], [], [], []
-    offset = 0
+    buffer = np.frombuffer(data, dtype=np.uint8)  # [size]
+    bounds = np.array(_walk_records(data), dtype=np.int64)  # [n + 1]
+    starts, ends = bounds[:-1], bounds[1:]  # [n] record k is data[starts[k]:ends[k]]
+    num_inside = _num_leading_true(ends <= len(data))
+    starts, ends = starts[:num_inside], ends[:num_inside]
+    did_lens = _values_at(buffer, starts + 8, "<u4")[:, 0].astype(np.int64)  # [n]
+    type_lens = ends - starts - _EXTENDED_FIXED_BYTES - did_lens  # [n]
+    num_whole = _num_leading_true((did_lens <= MAX_STRING_BYTES) & (type_lens <= MAX_STRING_BYTES))
+    starts, ends = starts[:num_whole], ends[:num_whole]
+    did_starts = starts + 12  # [n]
+    dids, types = _decode_strings(path, data, starts, did_starts, did_lens[:num_whole],
+                                  did_starts + did_lens[:num_whole] + 4, type_lens[:num_whole])
+    if num_whole < len(bounds) - 1:
+        _raise_record_problem(path, data, int(bounds[num_whole]))
+    item_ids = _values_at(buffer, starts, "<i8")[:, 0].astype(np.int64)  # [n]
+    triples = _values_at(buffer, ends - 12, "<i4", NUM_LEVELS).astype(np.int32)  # [n, 3]
+    _check_tokens(path, triples, vocab_size, starts)
+    return CatalogColumns(item_ids, triples, dids, types)
 
-    def take(start: int, size: int, field: str) -> int:
-        if offset + size > end:
-            raise CatalogError(f"catalog {path}: trailing partial record at offset {start}: "
-                               f"{field} needs bytes [{offset}, {offset + size}) but the file "
-                               f"ends at {end}")
-        return offset + size
 
-    def take_string(start: int, field: str) -> str:
-        nonlocal offset
-        offset = take(start, 4, f"{field}_len")
-        (size,) = struct.unpack_from("<I", data, offset - 4)
-        if size > MAX_STRING_BYTES:
-            raise CatalogError(f"catalog {path}: record at offset {start}: {field}_len = {size} "
-                               f"at offset {offset - 4} exceeds the limit of {MAX_STRING_BYTES} bytes")
-        offset = take(start, size, field)
-        try:
-            return data[offset - size:offset].decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise CatalogError(f"catalog {path}: record at offset {start}: {field} at offset "
-                               f"{offset - size} is not UTF-8 ({exc.reason})") from exc
+def _walk_records(data: bytes) -> list[int]:
+    """Where each extended record starts, and last where the walk ended: record k is
+    `data[bounds[k]:bounds[k + 1]]`. The serial part of `read_extended` (a record's place
+    depends on every length before it), so it reads the two lengths and nothing else: the
+    records from the first bad one on (a length over the limit, past the end) are checked
+    and cut by the caller. A length field past the end makes the last bound len(data) + 1."""
+    read_uint32, size = _UINT32.unpack_from, len(data)
+    bounds, offset = [], 0
+    try:
+        while offset < size:
+            bounds.append(offset)
+            type_at = offset + 12 + read_uint32(data, offset + 8)[0]
+            offset = type_at + 16 + read_uint32(data, type_at)[0]
+    except struct.error:
+        offset = size + 1
+    bounds.append(offset)
+    return bounds
 
-    while offset < end:
-        start = offset
-        offset = take(start, 8, "item_id")
-        item_ids.append(struct.unpack_from("<q", data, start)[0])
-        dids.append(take_string(start, "did"))
-        types.append(take_string(start, "type"))
-        offset = take(start, 12, "tokens")
-        tokens.append(struct.unpack_from("<3i", data, offset - 12))
-        record_offsets.append(start)
-    triples = np.array(tokens, dtype=np.int32).reshape(-1, NUM_LEVELS)  # [n, 3]
-    _check_tokens(path, triples, vocab_size, record_offsets)
-    return CatalogColumns(np.array(item_ids, dtype=np.int64), triples, dids, types)
+
+def _num_leading_true(is_ok: np.ndarray) -> int:
+    return int(is_ok.argmin()) if len(is_ok) and not is_ok.all() else len(is_ok)
+
+
+def _values_at(buffer: np.ndarray, offsets: np.ndarray, dtype: str, count: int = 1) -> np.ndarray:
+    """The `count` values of `dtype` from each byte offset of `buffer`, unaligned: [n, count]."""
+    num_bytes = np.dtype(dtype).itemsize * count
+    if len(offsets) == 0:   # the buffer may be shorter than one window
+        return np.empty((0, count), dtype)
+    windows = np.lib.stride_tricks.sliding_window_view(buffer, num_bytes)  # [size - bytes + 1, bytes]
+    return windows[offsets].view(dtype)  # [n, count]
+
+
+def _decode_strings(path: Path, data: bytes, starts: np.ndarray, did_starts: np.ndarray,
+                    did_lens: np.ndarray, type_starts: np.ndarray, type_lens: np.ndarray,
+                    ) -> tuple[list[str], list[str]]:
+    """The did and type strings of whole extended records, in file order, decoded at once:
+    every string's bytes with a NUL after each are one buffer, UTF-8 as a whole exactly when
+    each string is (a NUL is never part of another character), split at the NULs. A string
+    that is not UTF-8, or holds a NUL, has them decoded one by one (which names the first
+    that is not)."""
+    begins = np.stack([did_starts, type_starts], axis=1).ravel()  # [2n] did, type, did, ...
+    lengths = np.stack([did_lens, type_lens], axis=1).ravel()  # [2n]
+    # the file as runs: skipped, a string and the byte after it, skipped, ...
+    edges = np.stack([begins, begins + lengths + 1], axis=1).ravel()  # [4n]
+    run_lengths = np.diff(edges, prepend=0, append=len(data))  # [4n + 1]
+    is_string = np.arange(len(run_lengths)) % 2 == 1  # [4n + 1]
+    joined = np.frombuffer(data, dtype=np.uint8)[np.repeat(is_string, run_lengths)]  # [sum + 2n]
+    joined[np.cumsum(lengths + 1) - 1] = 0   # over the first byte of type_len or tokens
+    try:
+        strings = joined.tobytes().decode("utf-8").split("\0")  # [2n + 1] the last one empty
+    except UnicodeDecodeError:
+        strings = []
+    if len(strings) != len(begins) + 1:
+        strings = [_decode_string(path, data, int(starts[row // 2]), _STRING_FIELDS[row % 2],
+                                  begin, begin + length)
+                   for row, (begin, length) in enumerate(zip(begins.tolist(), lengths.tolist()))]
+        strings.append("")
+    return strings[0:-1:2], strings[1:-1:2]
+
+
+def _decode_string(path: Path, data: bytes, start: int, field: str, begin: int, end: int) -> str:
+    """`data[begin:end]`, the `field` string of the record at `start`, from UTF-8."""
+    try:
+        return data[begin:end].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CatalogError(f"catalog {path}: record at offset {start}: {field} at offset "
+                           f"{begin} is not UTF-8 ({exc.reason})") from exc
+
+
+def _raise_record_problem(path: Path, data: bytes, start: int) -> NoReturn:
+    """Raises the first problem of the extended record at `start`, one `_walk_records` could
+    not take whole, found by reading its fields in order: past its two strings, only its
+    tokens can be missing."""
+    offset, size = start, len(data)
+
+    def partial(field: str, num_bytes: int) -> CatalogError:
+        return CatalogError(f"catalog {path}: trailing partial record at offset {start}: "
+                            f"{field} needs bytes [{offset}, {offset + num_bytes}) but the file "
+                            f"ends at {size}")
+
+    if offset + 8 > size:
+        raise partial("item_id", 8)
+    offset += 8
+    for field in _STRING_FIELDS:
+        if offset + 4 > size:
+            raise partial(f"{field}_len", 4)
+        (length,) = _UINT32.unpack_from(data, offset)
+        if length > MAX_STRING_BYTES:
+            raise CatalogError(f"catalog {path}: record at offset {start}: {field}_len = "
+                               f"{length} at offset {offset} exceeds the limit of "
+                               f"{MAX_STRING_BYTES} bytes")
+        offset += 4
+        if offset + length > size:
+            raise partial(field, length)
+        _decode_string(path, data, start, field, offset, offset + length)
+        offset += length
+    raise partial("tokens", 12)
 
 
 def read_text(path: str | os.PathLike, vocab_size: int) -> CatalogColumns:
