@@ -293,6 +293,45 @@ def test_decoder_only_catalog_tokens_are_checked_against_the_tokenizer(tmp_path)
         assert result.items[0].item_id == 11
 
 
+class CountingTokenizer:
+    """A real `tokenizers.Tokenizer` that counts the ids it is asked about."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.asked = tokenizer, Counter()
+
+    def id_to_token(self, token_id):
+        self.asked[token_id] += 1
+        return self.tokenizer.id_to_token(token_id)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_the_tokenizer_check_asks_only_about_the_catalog_tokens(tmp_path):
+    """It asked about every id below the model's vocabulary, one call each, at every load
+    (176,384 ids for OpenOneRec's, whatever the catalog held); now once about each distinct
+    token of the catalog, with the same error for an unknown one."""
+    from xrec.catalog.sid_vocab import SidLayout, write_sid_tokenizer
+    from xrec.engine.catalogs import check_catalog_tokens
+    from xrec.tokenizer import PromptTokenizer
+
+    layout = SidLayout(num_base_tokens=512, codebook_size=16)
+    write_sid_tokenizer(tmp_path, layout)
+    tokenizer = PromptTokenizer.from_model_dir(tmp_path)
+    tokenizer._tokenizer = counting = CountingTokenizer(tokenizer._tokenizer)
+    triples = [[layout.itemic_id(level, code) for level, code in enumerate(codes)]
+               for codes in ((1, 2, 3), (1, 2, 4), (5, 2, 3))]
+    check_catalog_tokens(ItemCatalog.from_arrays([1, 2, 3], triples, layout.vocab_size), tokenizer)
+    assert counting.asked == Counter(set(np.ravel(triples).tolist()))   # 6 of 768 ids
+    counting.asked.clear()
+    unknown = [triples[0][0], layout.num_tokens, triples[0][2]]   # padding: no token for it
+    with pytest.raises(ValueError, match=rf"item 12 has token {layout.num_tokens} at level 1, "
+                                         r"which .* \(1 items have unknown tokens\)"):
+        check_catalog_tokens(ItemCatalog.from_arrays([11, 12], [triples[0], unknown],
+                                                     layout.vocab_size), tokenizer)
+    assert sorted(counting.asked) == sorted({*triples[0], layout.num_tokens})
+
+
 # ---- HTTP --------------------------------------------------------------------------
 
 def metric_samples(client) -> dict:

@@ -306,11 +306,11 @@ class PromptTokenizer:
         tokens = [self.id_to_token(token_id) for token_id in ids]
         return None if None in tokens else "".join(tokens)
 
-    def known_ids(self, num: int) -> np.ndarray:
-        """[num] bool: which ids below `num` have a token."""
+    def known_ids(self, ids: np.ndarray) -> np.ndarray:
+        """[n] bool: which of the non-negative `ids` have a token."""
         id_to_token = self._tokenizer.id_to_token  # faster than building get_vocab()'s dict
-        return np.fromiter((id_to_token(i) is not None for i in range(num)), dtype=bool,
-                           count=num)  # [num]
+        return np.fromiter((id_to_token(i) is not None for i in ids.tolist()), dtype=bool,
+                           count=len(ids))  # [n]
 
     # --- requests -----------------------------------------------------------------------
 

@@ -200,9 +200,13 @@ def serve_catalog(catalog: ItemCatalog | None, source: str | None, model: RecMod
 
 def check_catalog_tokens(catalog: ItemCatalog, tokenizer: PromptTokenizer) -> None:
     """Every token of every semantic ID must be one the tokenizer knows (else the catalog was
-    built for another vocabulary)."""
-    known = tokenizer.known_ids(catalog.vocab_size)                       # [V] bool
-    is_unknown = ~known[catalog.triples]                                  # [n, 3]
+    built for another vocabulary). The tokenizer is asked about the catalog's distinct tokens
+    only: a few codebooks of a vocabulary that may be 176k ids (OpenOneRec)."""
+    is_known = np.zeros(catalog.vocab_size, dtype=bool)                   # [V]
+    is_known[catalog.triples] = True
+    used_ids = np.flatnonzero(is_known)                                   # [U]
+    is_known[used_ids] = tokenizer.known_ids(used_ids)
+    is_unknown = ~is_known[catalog.triples]                               # [n, 3]
     if is_unknown.any():
         row, level = np.argwhere(is_unknown)[0]
         raise ValueError(f"catalog: item {catalog.item_ids[row]} has token {catalog.triples[row, level]} "
