@@ -489,3 +489,23 @@ def test_process_isolated_engine_reloads_in_its_child(model_dir, tmp_path):
         assert engine.catalog_version == version
         engine.load_catalog(new)                              # an ItemCatalog crosses too
         assert engine.restore_catalog() == version
+
+
+def test_from_pretrained_reads_a_catalog_file_as_extended_in_either_isolation(model_dir, tmp_path):
+    """`catalog_extended` (what `--catalog-extended` sets) reaches the child process too; it
+    is refused where there is no file for it to apply to, before anything loads."""
+    base = catalog_of(40)
+    ids = base.item_ids.tolist()
+    typed = ItemCatalog.from_arrays(ids, base.triples, VOCAB, [f"d{i}" for i in ids], ["t"] * len(ids))
+    path = write(typed, tmp_path / "typed.bin")
+    with Engine.from_pretrained(model_dir, catalog=path, catalog_extended=True, device="cpu",
+                                isolation="process") as engine:
+        assert engine.catalog_version.is_extended
+        assert engine.catalog_version.content_hash == typed.content_hash()
+    for catalog, extended, words in [(None, True, "give one as catalog"),
+                                     (typed, False, "give one as catalog"),
+                                     (path, "yes", "got 'yes', expected true, false or None")]:
+        for isolation in ("thread", "process"):
+            with pytest.raises(ValueError, match=words):
+                Engine.from_pretrained(tmp_path / "no-model", catalog=catalog,
+                                       catalog_extended=extended, isolation=isolation)

@@ -164,6 +164,53 @@ def test_recommend_bad_filters(tiny_model, home, flags, words):
     assert not any(ROW.match(line) for line in proc.stdout.splitlines())
 
 
+def test_recommend_serves_an_extended_catalog_file(tiny_model, home, tmp_path):
+    """`--catalog FILE` could not name an extended catalog: it was read as 20-byte records and
+    refused. `--catalog-extended true|false` says how to read it; unset, the model
+    directory's `extended_item_info` does (never for a text file), as a load with
+    `"extended": null` keeps the current catalog's form."""
+    base = ItemCatalog.from_model_dir(tiny_model, 64)
+    ids = base.item_ids.tolist()
+    typed = ItemCatalog.from_arrays(ids, base.triples, 64, [f"d{i}" for i in ids],
+                                    ["video" if i % 2 == 0 else "live" for i in ids])
+    typed.write(tmp_path / "typed.bin")
+    base.write(tmp_path / "plain.txt")
+    declared = tmp_path / "declared"   # the model, its own catalog extended
+    declared.mkdir()
+    for path in tiny_model.iterdir():
+        if path.name != "tokenizer_config.json":
+            (declared / path.name).symlink_to(path)
+    typed.write(declared / "own.bin")
+    (declared / "tokenizer_config.json").write_text(json.dumps(
+        {"item_catalog": "own.bin", "extended_item_info": True}))
+
+    def items_of_type(model, *flags) -> list[int]:
+        proc = xrec_cli("recommend", "--model", str(model), "--token-ids", "1,2,3", "--device",
+                        "cpu", "--json", "--item-types", "video", *flags, home=home)
+        assert proc.returncode == 0, proc.stderr
+        return [item for row in json.loads(proc.stdout) for item in row["items"]]
+
+    for model, flags in [(tiny_model, ("--catalog-extended", "true")),
+                         (declared, ()), (declared, ("--catalog-extended", "yes"))]:
+        items = items_of_type(model, "--catalog", str(tmp_path / "typed.bin"), *flags)
+        assert items and all(item % 2 == 0 for item in items), (model, flags)
+    for model, flags, words in [
+            (tiny_model, (), "typed.bin: trailing partial record"),   # read as 20-byte records
+            (declared, ("--catalog-extended", "false"), "typed.bin: trailing partial record"),
+            (declared, ("--catalog", str(tmp_path / "plain.txt")), "item_types"),   # no types
+            (tiny_model, ("--catalog-extended", "true", "--catalog", str(tmp_path / "plain.txt")),
+             "an extended catalog must be binary")]:
+        if "--catalog" not in flags:
+            flags = (*flags, "--catalog", str(tmp_path / "typed.bin"))
+        proc = xrec_cli("recommend", "--model", str(model), "--token-ids", "1,2,3", "--device",
+                        "cpu", "--item-types", "video", *flags, home=home)
+        assert proc.returncode == 1 and words in proc.stderr, (flags, proc.stderr)
+        assert "Traceback" not in proc.stderr
+    proc = xrec_cli("recommend", "--model", str(declared), "--catalog-extended", "true", home=home)
+    assert proc.returncode == 1 and proc.stderr.startswith(
+        "xrec recommend: error: --catalog-extended: says how to read --catalog FILE"), proc.stderr
+
+
 @pytest.fixture(scope="module")
 def sid_model(tmp_path_factory, home):
     out = tmp_path_factory.mktemp("models") / "qwen3"

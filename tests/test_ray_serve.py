@@ -143,3 +143,28 @@ def test_a_full_replica_refuses_instead_of_queueing_in_the_proxy(model_dir):
     assert deployment["max_ongoing_requests"] == 2 * capacity
     assert deployment["max_queued_requests"] == 2 * capacity
     assert deployment["backpressure_config"] == {"status_code": 429, "retry_after_s": 1}
+
+
+def test_replicas_read_the_catalog_file_as_catalog_extended_says(model_dir, tmp_path,
+                                                                 ray_never_starts, capsys):
+    """`xrec serve --ray --catalog FILE --catalog-extended true` (or build_app's
+    `catalog_extended`) reaches each replica's engine; without --catalog it is refused."""
+    from xrec.catalog import ItemCatalog
+
+    base = ItemCatalog.from_model_dir(model_dir, 64)
+    ids = base.item_ids.tolist()
+    typed = ItemCatalog.from_arrays(ids, base.triples, 64, [f"d{i}" for i in ids], ["t"] * len(ids))
+    typed.write(tmp_path / "typed.bin")
+    options = bound_options({"model": str(model_dir), "catalog": str(tmp_path / "typed.bin"),
+                             "catalog_extended": "true", "api_key": "k"})
+    assert options.catalog_extended is True
+    replica = serve_app.XrecReplica(options)
+    try:
+        assert replica.engine.catalog_version.is_extended
+        assert replica.engine.catalog_version.content_hash == typed.content_hash()
+    finally:
+        replica.engine.close()
+    with pytest.raises(ValueError, match="--catalog-extended: says how to read --catalog FILE"):
+        ServeOptions(str(model_dir), catalog_extended=True)
+    assert main(["serve", "--ray", "--model", str(model_dir), "--catalog-extended", "true"]) == 1
+    assert capsys.readouterr().err.startswith("xrec serve: error: --catalog-extended: says how")

@@ -203,6 +203,36 @@ def test_a_bad_start_up_catalog_is_one_line_and_exit_1(model_dir, catalogs, tmp_
         assert len(lines) == 1 and lines[0].startswith(f"xrec serve: error: {expected}"), lines
 
 
+def test_xrec_serve_serves_an_extended_catalog_file(model_dir, tmp_path):
+    """`xrec serve --catalog FILE` had no way to say the file is extended (read as 20-byte
+    records, it was refused); `--catalog-extended true` serves its dids and types."""
+    plain = catalog_of(7)
+    ids = plain.item_ids.tolist()
+    typed = ItemCatalog.from_arrays(ids, plain.triples, VOCAB, [f"d{i}" for i in ids],
+                                    ["video" if i % 2 == 0 else "live" for i in ids])
+    typed.write(tmp_path / "typed.bin")
+    log_path = tmp_path / "serve.log"
+    proc, url, _ = start_serve(["--model", str(model_dir), "--device", "cpu", "--grace-s", "1",
+                                "--catalog", str(tmp_path / "typed.bin"),
+                                "--catalog-extended", "true"], _env(tmp_path), log_path)
+    try:
+        with httpx.Client(base_url=url, timeout=WAIT_S) as client:
+            current = client.get(LOAD).json()["current"]
+            assert current["is_extended"] and current["content_hash"] == typed.content_hash()
+            answer = client.post("/v1/rec/completions", json={
+                "token_ids": [1, 2, 3], "beam_width": 8, "item_types": ["video"]})
+            assert answer.status_code == 200, answer.text
+            items = [item for result in answer.json()["results"] for item in result["items"]]
+        assert items and all(item == {"item_id": item["item_id"], "did": f"d{item['item_id']}",
+                                      "type": "video"} for item in items), items
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=WAIT_S * 2) == 0, log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_loads_through_xrec_serve_and_a_clean_drain(model_dir, catalogs, tmp_path):
     """The FIFO load held two requests open past SIGTERM ("2 HTTP request(s) still open
     after the drain") and the process kept running; now it is refused and the drain ends."""

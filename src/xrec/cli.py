@@ -10,7 +10,7 @@ import sys
 from typing import Sequence
 
 from xrec.config import MODEL_SIZES, EngineOptions
-from xrec.config.engine import parse_generation_prefix
+from xrec.config.engine import parse_bool, parse_generation_prefix
 from xrec.demo import model_dir_or_demo
 
 
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     rec = sub.add_parser("recommend", help="run one request and print the recommended items")
     rec.add_argument("--model", help="model directory (default: the built-in demo model)")
-    rec.add_argument("--catalog", help="catalog file (default: the model directory's)")
+    add_catalog_flags(rec)
     source = rec.add_mutually_exclusive_group()
     source.add_argument("--token-ids", help="comma-separated input token ids, e.g. 1,2,3")
     source.add_argument("--embedding", help=".npy file holding a [L, d_model] float32 array")
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve a model over HTTP (default: the demo model)")
     serve.add_argument("--model", help="model directory (default: the built-in demo model)")
-    serve.add_argument("--catalog", help="catalog file (default: the model directory's)")
+    add_catalog_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="0-65535; 0: any free port (not with "
                        "--ray) (default 8000)")
@@ -125,6 +125,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_catalog_flags(parser: argparse.ArgumentParser) -> None:
+    """`--catalog FILE` and how to read it (docs/catalog.md, "Which catalog a model serves")."""
+    parser.add_argument("--catalog", help="catalog file (default: the model directory's)")
+    parser.add_argument("--catalog-extended", type=parse_bool, default=None, metavar="true|false",
+                        help="read --catalog's extended records (a did and a type per item) "
+                        "(default: as the model directory's tokenizer_config.json says, "
+                        "\"extended_item_info\"; false for a .txt/.csv file)")
+
+
+def check_catalog_flags(args: argparse.Namespace) -> None:
+    if args.catalog_extended is not None and args.catalog is None:
+        raise ValueError("--catalog-extended: says how to read --catalog FILE, which is not "
+                         "given (the model directory's catalog is read as its "
+                         "tokenizer_config.json's extended_item_info says)")
+
+
 def _make_model(args: argparse.Namespace) -> int:
     from xrec.demo import write_random_model
     out = write_random_model(args.out, args.size, args.seed, args.items, progress=True)
@@ -138,6 +154,7 @@ def _recommend(args: argparse.Namespace) -> int:
     from xrec import Engine, RecRequest
     from xrec.errors import XrecError
 
+    check_catalog_flags(args)
     model_dir = model_dir_or_demo(args.model)
     search = dict(beam_width=args.beam_width, normalize=args.normalize,
                   exclude_items=_int_list("--exclude-items", args.exclude_items),
@@ -152,7 +169,8 @@ def _recommend(args: argparse.Namespace) -> int:
         request = RecRequest(messages=[{"role": "user", "content": args.chat}], **search)
     else:
         request = RecRequest(token_ids=_int_list("--token-ids", args.token_ids or "1,2,3"), **search)
-    with Engine.from_pretrained(model_dir, isolation="thread", catalog=args.catalog, device=args.device,
+    with Engine.from_pretrained(model_dir, isolation="thread", catalog=args.catalog,
+                                catalog_extended=args.catalog_extended, device=args.device,
                                 generation_prefix=args.generation_prefix) as engine:
         try:
             response = engine.recommend([request])[0]
@@ -202,7 +220,7 @@ def _check_serve_args(args: argparse.Namespace) -> None:
     """What `xrec serve` checks before loading anything: the port, the flags --ray cannot
     take (without --ray: the flags only --ray takes), and the --catalog file (a regular
     file of at most --max-catalog-bytes: a FIFO would block the load, /dev/zero would never
-    end it)."""
+    end it; --catalog-extended only with it)."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port: got {args.port}, port must be 0–65535")
     from xrec.scale.cli import check_serve_ray_args
@@ -212,6 +230,7 @@ def _check_serve_args(args: argparse.Namespace) -> None:
     max_bytes = args.max_catalog_bytes
     if max_bytes is not None and max_bytes < 1:
         raise ValueError(f"--max-catalog-bytes: got {max_bytes}, expected >= 1")
+    check_catalog_flags(args)
     if args.catalog is not None:  # the catalog reader checks it again when it reads
         try:
             check_regular_file(args.catalog, max_bytes or DEFAULT_MAX_CATALOG_BYTES)

@@ -100,6 +100,30 @@ def _is_tokenizer_vocabulary(path: Path) -> bool:
     return False
 
 
+def _tokenizer_config(config_path: Path) -> dict[str, Any]:
+    """A model directory's `tokenizer_config.json` ({} when it has none)."""
+    if not config_path.is_file():
+        return {}
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CatalogError(f"{config_path}: cannot read it as JSON ({exc})") from exc
+    except RecursionError:
+        raise CatalogError(f"{config_path}: JSON nested too deeply") from None
+    if not isinstance(config, dict):
+        raise CatalogError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
+def _extended_item_info(config_path: Path, config: dict[str, Any]) -> bool:
+    """Whether the directory's catalog is extended (`"extended_item_info"`, default false)."""
+    extended = config.get("extended_item_info", False)
+    if not isinstance(extended, bool):
+        raise CatalogError(f"{config_path}: extended_item_info = {extended!r}, "
+                           f"expected true or false")
+    return extended
+
+
 def _read_only(array: np.ndarray) -> np.ndarray:
     array.flags.writeable = False
     return array
@@ -235,31 +259,33 @@ class ItemCatalog:
         `"extended_item_info": true` reads extended records.
         """
         config_path = Path(model_dir) / "tokenizer_config.json"
-        if not config_path.is_file():
-            return None
-        try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise CatalogError(f"{config_path}: cannot read it as JSON ({exc})") from exc
-        except RecursionError:
-            raise CatalogError(f"{config_path}: JSON nested too deeply") from None
-        if not isinstance(config, dict):
-            raise CatalogError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
+        config = _tokenizer_config(config_path)
         key = "item_catalog" if "item_catalog" in config else "vocab_file"
         if key not in config:
             return None
-        catalog_file, extended = config[key], config.get("extended_item_info", False)
+        catalog_file = config[key]
         if not isinstance(catalog_file, str) or not catalog_file:
             raise CatalogError(f"{config_path}: {key} = {catalog_file!r}, expected a path")
-        if not isinstance(extended, bool):
-            raise CatalogError(f"{config_path}: extended_item_info = {extended!r}, "
-                               f"expected true or false")
+        extended = _extended_item_info(config_path, config)
         path = Path(model_dir) / catalog_file
         if key == "vocab_file" and _is_tokenizer_vocabulary(path):
             logger.warning("%s: vocab_file %s is a tokenizer vocabulary, not an item catalog; "
                            "no catalog, decoding is unconstrained (name one with "
                            "\"item_catalog\")", config_path, catalog_file)
             return None
+        return cls.read(path, vocab_size, extended)
+
+    @classmethod
+    def read_for_model(cls, path: str | os.PathLike, model_dir: str | os.PathLike,
+                       vocab_size: int, extended: bool | None = None) -> ItemCatalog:
+        """`path` served in place of the catalog of the model in `model_dir` (`--catalog
+        FILE`). `extended` None reads it in the form the directory declares for its own
+        (`"extended_item_info"` of `tokenizer_config.json`), and never a text file as
+        extended: as a load with `"extended": null` keeps the current catalog's form."""
+        if extended is None:
+            config_path = Path(model_dir) / "tokenizer_config.json"
+            extended = not cls.is_text_path(path) and _extended_item_info(
+                config_path, _tokenizer_config(config_path))
         return cls.read(path, vocab_size, extended)
 
     # --- writing ------------------------------------------------------------------------

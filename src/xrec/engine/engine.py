@@ -144,21 +144,25 @@ class Engine(EngineFrontend):
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike,
                         catalog: str | os.PathLike | ItemCatalog | None = None,
-                        isolation: str = DEFAULT_ISOLATION, **engine_options: Any) -> EngineFrontend:
+                        isolation: str = DEFAULT_ISOLATION, catalog_extended: bool | None = None,
+                        **engine_options: Any) -> EngineFrontend:
         """Load `model_dir` (config.json + safetensors, and tokenizer.json when it has one).
         `catalog`: None (the model directory's own, if any), a path, or an `ItemCatalog`.
+        `catalog_extended`: read the `catalog` path's extended records (None: as the model
+        directory declares its own catalog, never for a text file; `ItemCatalog.read_for_model`).
         `isolation`: "process" (default) runs the pipelines in a child process
         (`ProcessEngine`, the same request API), where the host's own torch work cannot
         throttle them; "thread" runs them in this process, returning an `Engine` (its
         internals reachable; what `xrec serve` uses), built in a thread that ends so that
         the caller's thread keeps no OpenMP team. README, "Embedding the engine"."""
+        check_catalog_extended(catalog, catalog_extended)
         if isolation == "process":
             from xrec.engine.isolated import ProcessEngine
-            return ProcessEngine.start(model_dir, catalog, engine_options)
+            return ProcessEngine.start(model_dir, catalog, engine_options, catalog_extended)
         if isolation != "thread":
             raise ValueError(f"isolation: got {isolation!r}, allowed: thread, process")
         options = EngineOptions.from_kwargs(**engine_options)
-        return in_fresh_thread(lambda: cls(*load_parts(model_dir, catalog, options)))
+        return in_fresh_thread(lambda: cls(*load_parts(model_dir, catalog, options, catalog_extended)))
 
     @classmethod
     def from_random(cls, size: str, seed: int = 0, num_items: int = 100_000,
@@ -431,8 +435,22 @@ def _with_responses(batch: EngineBatch, report: BatchReport[ResponseData]) -> Ba
     return replace(report, answers=answers)
 
 
+def check_catalog_extended(catalog: str | os.PathLike | ItemCatalog | None,
+                           catalog_extended: bool | None) -> None:
+    """`catalog_extended` is true, false or None, and names how to read a catalog file."""
+    if catalog_extended is None:
+        return
+    if not isinstance(catalog_extended, bool):
+        raise ValueError(f"catalog_extended: got {catalog_extended!r}, expected true, false or "
+                         f"None (as the model directory declares)")
+    if catalog is None or isinstance(catalog, ItemCatalog):
+        raise ValueError("catalog_extended: says how to read a catalog file; give one as "
+                         "catalog (the model directory's own is read as its "
+                         "tokenizer_config.json's extended_item_info says)")
+
+
 def load_parts(model_dir: str | os.PathLike, catalog: str | os.PathLike | ItemCatalog | None,
-               options: EngineOptions,
+               options: EngineOptions, catalog_extended: bool | None = None,
                ) -> tuple[RecModel, ItemCatalog | None, EngineOptions, str, PromptTokenizer | None]:
     """What an `Engine` is built from: the model, its catalog, options, name and tokenizer."""
 
@@ -443,7 +461,7 @@ def load_parts(model_dir: str | os.PathLike, catalog: str | os.PathLike | ItemCa
     if catalog is None:
         catalog = ItemCatalog.from_model_dir(model_dir, vocab)
     elif not isinstance(catalog, ItemCatalog):
-        catalog = ItemCatalog.read(catalog, vocab)
+        catalog = ItemCatalog.read_for_model(catalog, model_dir, vocab, catalog_extended)
     tokenizer = PromptTokenizer.from_model_dir(model_dir)
     return model, catalog, options, Path(model_dir).resolve().name, tokenizer
 

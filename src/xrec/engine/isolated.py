@@ -279,7 +279,7 @@ class ProcessEngine(EngineFrontend):
 
     @classmethod
     def start(cls, model_dir: str | os.PathLike, catalog: str | os.PathLike | ItemCatalog | None,
-              options: dict[str, Any]) -> ProcessEngine:
+              options: dict[str, Any], catalog_extended: bool | None = None) -> ProcessEngine:
         """Start the child, load the model there; raises what loading raised."""
         from xrec.tokenizer import PromptTokenizer
 
@@ -302,7 +302,7 @@ class ProcessEngine(EngineFrontend):
             catalog = str(catalog)
         level = logging.getLogger("xrec").getEffectiveLevel()
         try:
-            link.send((str(Path(model_dir)), catalog, options, level))
+            link.send((str(Path(model_dir)), catalog, catalog_extended, options, level))
             if not conn.poll(START_TIMEOUT_S):
                 raise TimeoutError(f"the engine process did not load {model_dir} in {START_TIMEOUT_S} s")
             kind, value = loads(conn.recv_bytes(), None)

@@ -35,10 +35,11 @@ def main(argv: list[str]) -> int:
     socket_fd, arena_fd, arena_bytes = (int(a) for a in argv)
     conn, arena = Connection(socket_fd), Arena(arena_fd, arena_bytes)
     _exit_with_parent(os.getppid())
-    model_dir, catalog, options, log_level = loads(conn.recv_bytes(), None)
+    model_dir, catalog, catalog_extended, options, log_level = loads(conn.recv_bytes(), None)
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s [child] %(message)s")
     loaded: list[Engine | BaseException] = []
-    loader = threading.Thread(target=_load, args=(model_dir, catalog, options, loaded),
+    loader = threading.Thread(target=_load, args=(model_dir, catalog, catalog_extended, options,
+                                                  loaded),
                               name="xrec-load")
     loader.start()
     loader.join()
@@ -52,13 +53,13 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _load(model_dir: str, catalog: str | ItemCatalog | None, options: dict[str, Any],
-          out: list[Engine | BaseException]) -> None:
+def _load(model_dir: str, catalog: str | ItemCatalog | None, catalog_extended: bool | None,
+          options: dict[str, Any], out: list[Engine | BaseException]) -> None:
     from xrec.config import EngineOptions
     from xrec.engine.engine import Engine, load_parts
     try:
-        out.append(Engine(*load_parts(model_dir, catalog, EngineOptions.from_kwargs(**options)),
-                          answers_as_data=True))
+        out.append(Engine(*load_parts(model_dir, catalog, EngineOptions.from_kwargs(**options),
+                                      catalog_extended), answers_as_data=True))
     except BaseException as exc:
         out.append(exc)
 

@@ -398,7 +398,7 @@ def run_chunk(engine: EngineFrontend, raws: Sequence[Any], settings: RowSettings
 # ---- the run -----------------------------------------------------------------------------
 
 def load_engine(model_dir: str, catalog: str | None, options: dict,
-                owns_process: bool = False) -> Engine:
+                owns_process: bool = False, catalog_extended: bool | None = None) -> Engine:
     """The engine, in-thread (`Engine.from_pretrained` builds it in a thread that ends, so
     this thread keeps no OpenMP team, and lets Ctrl-C in only once it is built: a process
     that exits with a half-made engine aborts; a built one is closed at exit).
@@ -406,7 +406,8 @@ def load_engine(model_dir: str, catalog: str | None, options: dict,
     replica), so it takes a serving process's settings (`Engine.own_process`)."""
     from xrec import Engine
 
-    engine = Engine.from_pretrained(model_dir, catalog=catalog, isolation="thread", **options)
+    engine = Engine.from_pretrained(model_dir, catalog=catalog, isolation="thread",
+                                    catalog_extended=catalog_extended, **options)
     if owns_process:
         engine.own_process()
     return engine

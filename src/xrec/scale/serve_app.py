@@ -88,6 +88,7 @@ class ServeOptions:
     max_replicas: int | None = None
     replica_cpus: float = 1.0
     replica_gpus: float = 0.0
+    catalog_extended: bool | None = None   # how to read `catalog` (Engine.from_pretrained)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_replicas, int) or not 1 <= self.num_replicas <= 1024:
@@ -100,6 +101,9 @@ class ServeOptions:
         if not 0 <= self.replica_gpus <= 64:
             raise ValueError(f"--replica-gpus: got {self.replica_gpus}, expected >= 0")
         check_grace_flag(self.grace_s)   # as `xrec serve` checks it
+        if self.catalog_extended is not None and self.catalog is None:
+            raise ValueError("--catalog-extended: says how to read --catalog FILE, which is not "
+                             "given")
         from xrec.server.service import checked_api_key, checked_max_body_bytes
         try:
             checked_max_body_bytes(self.max_body_bytes)
@@ -124,7 +128,8 @@ class ServeOptions:
                                                  ("replica_gpus", args.replica_gpus))
                  if value is not None}   # the flags' defaults are the fields'
         return cls(model_dir, args.catalog, engine_options, args.served_model_name, api_key,
-                   args.max_body_bytes, args.grace_s, max_replicas=args.max_replicas, **given)
+                   args.max_body_bytes, args.grace_s, max_replicas=args.max_replicas,
+                   catalog_extended=args.catalog_extended, **given)
 
     def replica_engine_options(self) -> dict:
         """The engine options of one replica: its intra-op threads from its CPU share."""
@@ -173,7 +178,8 @@ class XrecReplica:
         logging.getLogger("xrec").setLevel(logging.INFO)
         self.options = options
         self.engine = load_engine(options.model_dir, options.catalog,
-                                  options.replica_engine_options(), owns_process=True)
+                                  options.replica_engine_options(), owns_process=True,
+                                  catalog_extended=options.catalog_extended)
         self.http_app = create_app(self.engine, served_model_name=options.served_model_name,
                               api_key=options.api_key, max_body_bytes=options.max_body_bytes)
         self.service = self.http_app.state.xrec

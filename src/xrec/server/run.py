@@ -190,6 +190,7 @@ def _run(server: DrainingServer, sock: socket.socket, args: argparse.Namespace, 
             # in-thread: the server runs no torch of its own, so nothing throttles the
             # pipelines, and it saves the hop to a child (README, "Embedding the engine")
             engine = Engine.from_pretrained(model_dir, catalog=args.catalog, isolation="thread",
+                                            catalog_extended=getattr(args, "catalog_extended", None),
                                             **engine_options)
         except BaseException as e:  # reported by serve() after the server stops
             failure.append(e)
