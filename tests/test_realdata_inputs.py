@@ -163,6 +163,33 @@ def test_eval_into_a_reused_out_keeps_only_its_own_predictions(split, tmp_path):
     assert (out / "notes.txt").read_text() == "mine"
 
 
+def test_an_eval_that_fails_while_writing_leaves_the_files_the_earlier_eval_json_names(
+        split, tmp_path, monkeypatch):
+    """A run into a reused `--out` that fails while writing its report (here the Markdown)
+    removed the earlier run's predictions first, so the eval.json left behind named a file
+    that was gone. Now the predictions are written first, eval.json last, and the stale
+    files removed only after it."""
+    sid = tmp_path / "sid"
+    build_sid_dir(split, sid, embeddings="svd", codebook_size=8, dim=8)
+    first = _tiny_model(split, sid, tmp_path / "first")
+    second = tmp_path / "second"
+    shutil.copytree(first, second)
+    out = tmp_path / "eval"
+    options = eval_run.EvalOptions(beam_width=10, baselines=())
+    eval_run.evaluate(split, [first, second], out, options, progress=False, log=lambda *_: None)
+    report = (out / "eval.json").read_text()
+
+    def fail(_report):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(eval_run, "_agreement_section", fail)
+    with pytest.raises(OSError, match="disk full"):
+        eval_run.evaluate(split, [second], out, options, progress=False, log=lambda *_: None)
+    assert (out / "eval.json").read_text() == report
+    assert sorted(json.loads(report)["predictions"].values()) == \
+        sorted(p.name for p in out.glob("predictions*"))
+
+
 def test_eval_refuses_two_models_that_would_write_one_predictions_file(split, tmp_path):
     """Rows are named by family and directory, predictions files after the first by
     directory alone: exp1/m (qwen3) and exp2/m (onerec) are two rows, and the later one's

@@ -25,6 +25,7 @@ from xrec.realdata.data import Split
 from xrec.realdata.data.metrics import metrics_table, ranking_metrics, remove_seen
 from xrec.realdata.evaluate.agreement import agreement, agreement_table
 from xrec.realdata.train.options import check_seed
+from xrec.utils.files import write_file_atomically
 
 __all__ = ["EvalOptions", "PUBLISHED", "evaluate"]
 
@@ -327,32 +328,34 @@ def _predictions_file(index: int, model_dir: Path) -> str:
 
 
 def _write(out_dir: Path, report: dict, split: Split, users, targets, rankings, model_dirs):
-    # a reused --out kept the predictions of an earlier run's models beside this eval.json
-    for stale in {*out_dir.glob("predictions.jsonl"), *out_dir.glob("predictions-*.jsonl")}:
-        if stale.name not in report["predictions"].values():
-            stale.unlink()
+    """Each file whole or not at all, the predictions first and eval.json last (a run killed
+    midway leaves every file whole, the earlier eval.json if any), then the plot."""
+    item_ids, user_ids = split.data.item_ids, split.data.user_ids
+    for name, ranked in rankings.items():
+        lines = (json.dumps({"user_id": user_ids[u], "target": item_ids[t],
+                             "ranked": [item_ids[i] for i in row if i >= 0]}) + "\n"
+                 for u, t, row in zip(users, targets, ranked))
+        write_file_atomically(out_dir / report["predictions"][name], "".join(lines).encode())
     rows = {**report["metrics"], **report["published"]}
     columns = ("hr@5", "hr@10", "ndcg@10", "hr@50", "ndcg@50")
     facts = ("epochs", "best_epoch", "parameters", "train_seconds")
     table = metrics_table({n: {**{c: m.get(c) for c in columns},
                                **{f: _training_cell(report["training"], n, f) for f in facts}}
                            for n, m in rows.items()})
-    (out_dir / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
     options = report["options"]
     timed = ", ".join(f"{n} {t:,.1f}" for n, t in report["seconds"].items())
     notes = "".join(f"- {note}\n" for note in report["notes"])
-    (out_dir / "eval.md").write_text(
+    write_file_atomically(out_dir / "eval.md", (
         f"## {report['dataset']}: {report['stage']} stage, {report['users']:,} users, ranking "
         f"over all {report['items']:,} items\n\n{table}\n\n"
         f"Generative models: beam width {options['beam_width']} = results per user, "
         f"normalize={options['normalize']}. Seconds: {timed}.\n" + (f"\n{notes}" if notes else "")
-        + _agreement_section(report))
-    item_ids, user_ids = split.data.item_ids, split.data.user_ids
-    for name, ranked in rankings.items():
-        with open(out_dir / report["predictions"][name], "w") as f:
-            for u, t, row in zip(users, targets, ranked):
-                f.write(json.dumps({"user_id": user_ids[u], "target": item_ids[t],
-                                    "ranked": [item_ids[i] for i in row if i >= 0]}) + "\n")
+        + _agreement_section(report)).encode())
+    write_file_atomically(out_dir / "eval.json", (json.dumps(report, indent=2) + "\n").encode())
+    # a reused --out kept the predictions of an earlier run's models beside this eval.json
+    for stale in {*out_dir.glob("predictions.jsonl"), *out_dir.glob("predictions-*.jsonl")}:
+        if stale.name not in report["predictions"].values():
+            stale.unlink()
     _plot(out_dir / "eval.png", report, model_dirs)
     print(table)
 
