@@ -409,6 +409,23 @@ def test_chat_accepts_and_ignores_openai_knobs(sid):
     same_results(as_results(post(sid, CHAT, {**body, **knobs})["choices"]), plain)
 
 
+def test_top_k_minus_one_is_the_default_on_both_openai_routes(sid):
+    """vLLM's and xllm's `top_k: -1` (and 0: no cutoff) is the default (W) on chat as on
+    `/v1/completions`; the native route keeps refusing a top_k below W."""
+    chat = {"messages": MESSAGES, "beam_width": 8, "n": 4}
+    completion = {"prompt": PROMPT, "beam_width": 8, "n": 4}
+    plain_chat = as_results(post(sid, CHAT, chat)["choices"])
+    plain_completion = post(sid, XLLM, completion)["choices"]
+    for top_k in (-1, 0):
+        same_results(as_results(post(sid, CHAT, {**chat, "top_k": top_k})["choices"]),
+                     plain_chat)
+        assert ([c["text"] for c in post(sid, XLLM, {**completion, "top_k": top_k})["choices"]]
+                == [c["text"] for c in plain_completion])
+    error = assert_error(sid.client.post(NATIVE, json={"prompt": PROMPT, "beam_width": 8,
+                                                       "top_k": -1}), 400)
+    assert error["message"].startswith("top_k: got -1")
+
+
 def test_a_burst_of_ragged_prompts_gets_each_its_own_answer(sid):
     """Prompts of different lengths on three routes at once (they may share a batch): each
     answer is the one the same request gets alone."""

@@ -21,7 +21,8 @@ Decisions where docs/serving.md leaves a choice:
   lists stay empty: a beam search scores the tokens it keeps, not alternatives.
 - `max_tokens` / `max_completion_tokens` are accepted and ignored for length (a
   semantic ID has R tokens); sampling knobs (`temperature`, `top_p`, penalties,
-  `seed`, `stop`) are accepted and ignored, as on `/v1/completions`.
+  `seed`, `stop`) are accepted and ignored, as on `/v1/completions`. `top_k` <= 0 is
+  the default (W), as on `/v1/completions` (vLLM's -1 / 0: no cutoff).
 - `stream: true` answers the same choices as OpenAI's chunks (stream.py): one per
   choice with `delta.content` and the fields above, then `finish_reason`, then usage
   when `stream_options.include_usage` is true.
@@ -41,7 +42,8 @@ from pydantic import Field
 from xrec.api_types import RecRequest, RecResponse
 from xrec.errors import InvalidArgument
 from xrec.server.schemas import (N_RESULTS, STREAM, STREAM_OPTIONS, RecExtensions,
-                                 StreamOptions, filter_usage, filters_of, num_results)
+                                 StreamOptions, filter_usage, filters_of, num_results,
+                                 openai_top_k)
 
 MAX_TOP_LOGPROBS = 20
 
@@ -87,7 +89,7 @@ def chat_request(req: ChatRequest, request_id: str) -> RecRequest:
             raise InvalidArgument(f"{name}: got {value}, expected >= 0 (it is ignored)")
     return RecRequest(
         messages=req.messages, beam_width=req.beam_width, num_return_sequences=num,
-        top_k=req.top_k, normalize=req.normalize, return_items=req.return_items,
+        top_k=openai_top_k(req.top_k), normalize=req.normalize, return_items=req.return_items,
         timeout_ms=req.timeout_ms, request_id=request_id, **filters_of(req))
 
 

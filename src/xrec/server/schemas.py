@@ -58,7 +58,8 @@ Decisions where docs/serving.md leaves a choice:
   `sparse_embedding` / `decoder_context_embedding`, each at most once.
   `routing` (`prefill_name`, `decode_name`) is accepted and ignored:
   `token_ids` are used with or without it (xllm uses them only with it).
-  `top_k` <= 0 means "the default" (xllm's -1 = no cutoff).
+  `top_k` <= 0 means "the default" (xllm's and vLLM's -1 = no cutoff), on
+  `/v1/chat/completions` too (`openai_top_k`); the native route refuses it.
 - xllm response: `choices[i].text` is the semantic ID as text when the model
   has a tokenizer (`"<s_a_1><s_b_2><s_c_3>"`), else its decimal token ids
   joined by spaces (`"12 7 99"`); `logprobs` (`tokens`, `token_ids`,
@@ -341,6 +342,12 @@ def num_results(n: int | None, num_return_sequences: int | None) -> int | None:
     return num_return_sequences if n is None else n
 
 
+def openai_top_k(top_k: int | None) -> int | None:
+    """`top_k` of an OpenAI-style body (`/v1/completions`, `/v1/chat/completions`): <= 0 is
+    vLLM's and xllm's "no cutoff" (-1, or 0), which for a beam search is the default (W)."""
+    return top_k if top_k is not None and top_k > 0 else None
+
+
 def xllm_request(req: XllmRequest, request_id: str) -> RecRequest:
     if req.max_tokens is not None and req.max_tokens < 0:
         raise InvalidArgument(f"max_tokens: got {req.max_tokens}, expected >= 0 (it is ignored)")
@@ -366,12 +373,11 @@ def xllm_request(req: XllmRequest, request_id: str) -> RecRequest:
             raise InvalidArgument(f"{where}.contents.fp32_contents: missing")
         tensors[tensor.name] = _from_floats(where, tensor.shape, contents.fp32_contents,
                                             "contents.fp32_contents")
-    top_k = req.top_k if req.top_k is not None and req.top_k > 0 else None
     return RecRequest(
         token_ids=req.token_ids, prompt=req.prompt or None,
         sparse_embedding=tensors.get("sparse_embedding"),
         decoder_context_embedding=tensors.get("decoder_context_embedding"),
-        beam_width=req.beam_width, top_k=top_k,
+        beam_width=req.beam_width, top_k=openai_top_k(req.top_k),
         num_return_sequences=num_results(req.n, req.num_return_sequences),
         normalize=req.normalize, return_items=req.return_items, timeout_ms=req.timeout_ms,
         request_id=request_id, **filters_of(req))
