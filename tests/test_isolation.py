@@ -478,6 +478,41 @@ def _idle_and_not_serving(stats: EngineStats) -> bool:
             == stats.num_pipelines_busy == stats.workspace_bytes_in_use == 0)
 
 
+def test_a_dead_childs_stats_and_metrics_name_its_last_catalog(model_dir, tmp_path):
+    """A SIGKILLed child's `stats()` said `catalog_version=None` (and /metrics dropped
+    `xrec_catalog_info`), while a closed in-thread engine names its catalog: it names the
+    version the child served last, with `is_serving=False` (`xrec_ready` 0)."""
+    from test_server import ServerThread, metric
+
+    from xrec.catalog import random_catalog
+    from xrec.server.app import create_app
+
+    engine = Engine.from_pretrained(model_dir, isolation="process", device="cpu")
+    random_catalog(40, engine.limits.vocab_size, 4).write(tmp_path / "new.bin")
+    server = ServerThread(create_app(engine))
+    try:
+        started = engine.catalog_version
+        loaded = engine.load_catalog(tmp_path / "new.bin")
+        assert loaded != started and loaded.num_items == 40
+        os.kill(engine.pid, signal.SIGKILL)
+        deadline = time.monotonic() + WAIT_S
+        while engine.is_serving and time.monotonic() < deadline:   # the death is noticed
+            time.sleep(0.01)
+        stats = engine.stats()
+        assert _idle_and_not_serving(stats) and stats.catalog_version == loaded
+        assert metric(server.url, "xrec_ready") == 0
+        assert metric(server.url, "xrec_catalog_items") == 40
+        assert metric(server.url, "xrec_catalog_info", content_hash=loaded.content_hash,
+                      source=loaded.source) == 1
+    finally:
+        server.stop()
+        engine.close()
+    closed = Engine.from_pretrained(model_dir, isolation="process", device="cpu")
+    started = closed.stats().catalog_version
+    closed.close()
+    assert started is not None and closed.stats().catalog_version == started
+
+
 def test_stats_after_close_or_the_childs_death_say_not_serving(model_dir):
     """`stats()` raised `Unavailable` once the child was gone or the engine closed (and
     /metrics answered 500), while a closed in-thread engine's says is_serving=False."""

@@ -316,7 +316,8 @@ class Engine(EngineFrontend):
                 "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
                 "num_pipelines": self.num_pipelines,
                 "workspace_per_pipeline": self.workspace_per_pipeline,
-                "catalog": None if self.catalog is None else str(self.catalog)}
+                "catalog": None if self.catalog is None else str(self.catalog),
+                "catalog_version": self.catalog_version}
 
     def own_process(self) -> None:
         """Take the process-wide settings of a process that exists to serve this engine

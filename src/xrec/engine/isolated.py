@@ -30,8 +30,8 @@ child has not answered DEADLINE_MARGIN_S after a request's deadline (stopped, sw
 out, stuck in a long round), this side answers DEADLINE_EXCEEDED itself; the child's
 late answer is then dropped (its arena regions are still freed only then). The reads
 `stats()` and `catalog_versions()` likewise wait at most READ_TIMEOUT_S for the child; once
-the child is gone or the engine closed, `stats()` says so (`is_serving=False`, no load)
-instead of raising, as a closed in-thread engine's does.
+the child is gone or the engine closed, `stats()` says so (`is_serving=False`, no load, the
+last catalog version this side saw) instead of raising, as a closed in-thread engine's does.
 """
 
 from __future__ import annotations
@@ -266,6 +266,9 @@ class ProcessEngine(EngineFrontend):
         self.num_pipelines = info["num_pipelines"]
         self.workspace_per_pipeline = info["workspace_per_pipeline"]
         self._info = info
+        # the child's current catalog version as last seen here (at start, in every read and
+        # change of it): what stats() names once the child is gone
+        self._catalog_version: CatalogVersion | None = info["catalog_version"]
         self.tokenizer = tokenizer
         self._seq = itertools.count()
         self._receiver = threading.Thread(target=link.receive, name="xrec-engine-receive",
@@ -381,16 +384,19 @@ class ProcessEngine(EngineFrontend):
 
     def stats(self) -> EngineStats:
         """The child engine's `stats()`; once the child is gone or the engine is closed, no
-        load and `is_serving=False`. `Unavailable` when a running child does not answer
-        within READ_TIMEOUT_S (stopped, swapped out)."""
+        load, `is_serving=False` and the catalog version last seen here (as a closed
+        in-thread engine names its catalog). `Unavailable` when a running child does not
+        answer within READ_TIMEOUT_S (stopped, swapped out)."""
         try:
-            return self._remote("stats", (), READ_TIMEOUT_S)
+            stats = self._remote("stats", (), READ_TIMEOUT_S)
         except Unavailable:
             if self._link.error is None:
                 raise
-        return EngineStats(self.num_pipelines, 0, 0, 0,
-                           self.workspace_per_pipeline * self.num_pipelines, 0, None,
-                           is_serving=False)
+            return EngineStats(self.num_pipelines, 0, 0, 0,
+                               self.workspace_per_pipeline * self.num_pipelines, 0,
+                               self._catalog_version, is_serving=False)
+        self._catalog_version = stats.catalog_version
+        return stats
 
     @property
     def is_serving(self) -> bool:
@@ -455,16 +461,20 @@ class ProcessEngine(EngineFrontend):
 
     def catalog_versions(self) -> tuple[CatalogVersion | None, CatalogVersion | None]:
         """Both versions in one round trip (at most READ_TIMEOUT_S)."""
-        return self._remote("catalog_versions", (), READ_TIMEOUT_S)
+        versions = self._remote("catalog_versions", (), READ_TIMEOUT_S)
+        self._catalog_version = versions[0]
+        return versions
 
     def load_catalog(self, catalog: str | os.PathLike | ItemCatalog,
                      extended: bool | None = None) -> CatalogVersion:
         """`Engine.load_catalog`, in the child (a path is read there)."""
-        return self.call("load_catalog", str(catalog) if isinstance(catalog, os.PathLike) else catalog,
-                         extended)
+        self._catalog_version = self.call(
+            "load_catalog", str(catalog) if isinstance(catalog, os.PathLike) else catalog, extended)
+        return self._catalog_version
 
     def restore_catalog(self) -> CatalogVersion | None:
-        return self.call("restore_catalog")
+        self._catalog_version = self.call("restore_catalog")
+        return self._catalog_version
 
     # ---- lifecycle ---------------------------------------------------------
 

@@ -7,10 +7,10 @@ pipeline thread; prometheus_client metrics are thread-safe). Gauges come from on
 renders on a worker thread (app.py): a process-isolated engine's `stats()` is a round trip
 to its child, bounded (`isolated.READ_TIMEOUT_S`); when the engine cannot say (a stopped
 child), the scrape still answers, with `xrec_ready` 0 and the load gauges and graph
-counters 0. Per-round
-time is the batch's run time divided by the engine's `rounds` (the run time includes
-host preparation and item conversion, so this is an upper bound of the device time of
-one round).
+counters 0; a child that is gone answers (`is_serving=False`, no load, its last catalog).
+Per-round time is the batch's run time divided by the engine's `rounds` (the run time
+includes host preparation and item conversion, so this is an upper bound of the device
+time of one round).
 
 The served catalog (hot reload, `server/admin.py`) is read when scraped:
 `xrec_catalog_info{content_hash, source} 1` names the current version,
