@@ -46,7 +46,7 @@ from xrec.scale.batch import BatchJob, run_batch  # noqa: E402
 from xrec.scale.batch_ray import RayOptions, pool_size, run_batch_ray  # noqa: E402
 from xrec.scale.rows import RowSettings, read_output  # noqa: E402
 from xrec.scale.serve_app import (APP_NAME, DEPLOYMENT_NAME, PROXY_CALLBACK,  # noqa: E402
-                                  PROXY_CALLBACK_VARIABLE, ServeOptions, replica_infos,
+                                  PROXY_CALLBACK_VARIABLE, ServeOptions, drain, replica_infos,
                                   serve_forever, start, start_serve)
 
 VOCAB = 64
@@ -514,6 +514,33 @@ def test_a_signal_while_some_replicas_start_drains_those_that_answer(own_app, se
 
     monkeypatch.setattr(ServeOptions, "deployment_options", one_of_two_placeable)
     check_what_grace_leaves_is_answered_503(serve_port, model_dir)
+
+
+def test_the_drain_reaches_every_busy_replica(own_app, serve_port, model_dir):
+    """SIGTERM's drain asked the replicas one at a time, each taking up to grace_s while
+    busy, all within grace_s + 5 s: the third busy replica was asked after two grace
+    periods and not waited for (its requests ran on, new ones were taken meanwhile, and
+    Serve's deletion killed it grace_s + 5 s later: the proxy's plain-text 500). Three
+    replicas holding more work than the grace period drain at once: when drain() returns
+    every engine is closed, and every request was answered 200 or 503."""
+    options = ServeOptions(str(model_dir), num_replicas=3, replica_cpus=0.25, grace_s=3.0,
+                           engine_options={"num_threads": 1, "request_queue_size": 64,
+                                           "max_seqs_per_batch": 1})
+    start(options, "127.0.0.1", serve_port)
+    metrics_urls = [info["metrics_url"] for info in replica_infos(3)]
+    assert len(metrics_urls) == 3
+    url = f"http://127.0.0.1:{serve_port}"
+    with ThreadPoolExecutor(120) as pool:
+        futures = [pool.submit(post, url, HEAVY) for _ in range(120)]
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline and not all(
+                metric(u, "xrec_requests_waiting") >= 2 for u in metrics_urls):
+            time.sleep(0.05)
+        drain(options.grace_s)
+        is_ready = [metric(u, "xrec_ready") for u in metrics_urls]
+        outcomes = [future.result() for future in futures]
+    assert is_ready == [0.0, 0.0, 0.0]
+    assert set(outcomes) <= {(200, "OK"), (503, "UNAVAILABLE")}, outcomes
 
 
 # ---- serve ------------------------------------------------------------------------------------

@@ -39,10 +39,10 @@ Decisions where the issue is silent:
   the loopback interface (`replica_info()`: pid, replica id, metrics URL; `xrec serve
   --ray` logs them), for a scraper on its node. With a key there is no such port: it
   would answer without the key.
-- Shutdown: SIGTERM / SIGINT drains every replica (`XrecReplica.drain`: new requests
-  503 UNAVAILABLE, as `xrec serve` answers them, while the engine finishes its own, for
-  `grace_s` at most; then those still unanswered are answered 503 UNAVAILABLE and the
-  engine is closed), then deletes the application. A signal while the application
+- Shutdown: SIGTERM / SIGINT drains every replica at once (Serve's `broadcast` of
+  `XrecReplica.drain`: new requests 503 UNAVAILABLE, as `xrec serve` answers them, while
+  the engine finishes its own, for `grace_s` at most; then those still unanswered are
+  answered 503 UNAVAILABLE and the engine is closed), then deletes the application. A signal while the application
   starts stops the start (the replicas already running, which may be answering, are
   drained first).
 """
@@ -421,43 +421,52 @@ def _replica_error(app_name: str) -> str | None:
 
 def replica_infos(num_replicas: int, app_name: str = APP_NAME, timeout_s: float = 30.0) -> list[dict]:
     """`replica_info()` of every running replica, sorted by pid."""
-    return _ask_each_replica("replica_info", num_replicas, app_name, timeout_s)
+    return _ask_every_replica("replica_info", num_replicas, app_name, timeout_s)
 
 
 def drain(grace_s: float, app_name: str = APP_NAME) -> None:
-    """`XrecReplica.drain` on every running replica: new requests are answered 503 while the
-    engines finish theirs; returns once all are idle, or after about `grace_s`."""
+    """`XrecReplica.drain` on every running replica at once: new requests are answered 503
+    while the engines finish theirs; returns once all are idle, or after about `grace_s`."""
     from ray import serve
 
     app = serve.status().applications.get(app_name)
     status = app.deployments.get(DEPLOYMENT_NAME) if app is not None else None
     states = status.replica_states if status is not None else {}
     num_running = states.get("RUNNING", 0)
-    answers = _ask_each_replica("drain", num_running, app_name, grace_s + 5.0, grace_s)
+    answers = _ask_every_replica("drain", num_running, app_name, grace_s + 5.0, grace_s)
     num_idle = sum(answer["is_idle"] for answer in answers)
     if num_idle < num_running:
         logger.warning("xrec serve --ray: %d of %d replica(s) idle after the grace period; "
                        "deleting the application", num_idle, num_running)
 
 
-def _ask_each_replica(method: str, num_replicas: int, app_name: str, timeout_s: float,
-                      *args: Any) -> list[dict]:
+def _ask_every_replica(method: str, num_replicas: int, app_name: str, timeout_s: float,
+                       *args: Any) -> list[dict]:
     """`method(*args)`'s answers ({"pid": ...}) of `num_replicas` replicas, sorted by pid:
-    asked through the handle until each has answered or `timeout_s` is over (a handle
-    cannot pick a replica; Serve's router spreads the calls)."""
+    every replica the handle knows is asked at once (Serve's `broadcast`), again until each
+    has answered or `timeout_s` is over (a new handle may not know them all yet). One call
+    at a time through the handle's router reached a busy replica last, or never: the
+    router sends a call to the less loaded of two replicas, a drained one."""
     from ray import serve
+    from ray.serve.exceptions import RayServeException
 
     handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app_name)
     seen: dict[int, dict] = {}
+    failures: list = []
     deadline = time.monotonic() + timeout_s
     while len(seen) < num_replicas and (time_left := deadline - time.monotonic()) > 0:
         try:
-            answer = getattr(handle, method).remote(*args).result(timeout_s=time_left)
-        except TimeoutError:
-            break
-        if answer["pid"] in seen:
-            time.sleep(0.05)   # the router prefers the replica with the fewest requests
-        seen[answer["pid"]] = answer
+            answers = handle.broadcast(method, *args).results(timeout_s=time_left,
+                                                              return_exceptions=True)
+        except (TimeoutError, RayServeException):   # no replica known yet, or none answered
+            answers = []
+        seen.update((answer["pid"], answer) for answer in answers if isinstance(answer, dict))
+        failures = [answer for answer in answers if not isinstance(answer, dict)]
+        if len(seen) < num_replicas:
+            time.sleep(0.05)
+    if failures:
+        logger.warning("xrec serve --ray: %s failed on %d replica(s): %r", method,
+                       len(failures), failures[0])
     return sorted(seen.values(), key=lambda answer: answer["pid"])
 
 
