@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -218,6 +219,24 @@ def test_prompt_beyond_max_position_embeddings(models):
         assert engine.recommend([RecRequest(token_ids=[1] * 510, beam_width=2)])[0].results
         with pytest.raises(InvalidArgument, match="token_ids.*511.*max_position_embeddings"):
             engine.recommend([RecRequest(token_ids=[1] * 511, beam_width=2)])
+
+
+def test_a_model_that_holds_no_prompt_is_refused_at_start(models, tmp_path):
+    """max_position_embeddings at or below the generated tokens (plus the generation prefix)
+    leaves no position for a prompt: the engine started, then refused every request with a
+    limit of -1 positions."""
+    _, directory, _ = models("qwen3")
+    small = tmp_path / "small"
+    shutil.copytree(directory, small)
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 3}))
+    with Engine.from_pretrained(small, isolation="thread") as engine:   # 3 rounds: 1 position
+        assert engine.recommend([RecRequest(token_ids=[1], beam_width=2)])[0].results
+    with pytest.raises(ValueError, match="max_position_embeddings.*got 3.*holds no prompt.*at least 5"):
+        Engine.from_pretrained(small, isolation="thread", generation_prefix=[17, 18])
+    (small / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2}))
+    with pytest.raises(ValueError, match="max_position_embeddings.*got 2.*holds no prompt.*at least 3"):
+        Engine.from_pretrained(small, isolation="thread")
 
 
 def test_generation_prefix_ids_are_appended(models, engines):

@@ -102,13 +102,12 @@ class Engine(EngineFrontend):
         if self.is_constrained and catalog is None:
             raise ValueError("option constrained=true needs a catalog (none was found or given)")
         self._catalogs = catalogs = CatalogSlots(self._serve_catalog(catalog, source=None))
-        max_positions = None if config.max_positions is None else \
-            config.max_positions - (options.rounds - 1)
+        prefix = _generation_prefix(options, config, tokenizer)
         self.limits = SearchLimits(config.vocab_size, config.d_model, options.max_input_len,
                                    options.max_beam_width, options.max_top_k,
                                    options.default_beam_width, options.normalize,
                                    config.accepts_embeddings, config.decoder_start_len,
-                                   max_positions, _generation_prefix(options, config, tokenizer),
+                                   _max_prompt_positions(config, options, prefix), prefix,
                                    self.is_constrained, options.max_exclude_items)
         num_pipelines = options.max_concurrency or (2 if device.type == "cuda" else 1)
         self.workspace_per_pipeline = _workspace_budget(model, device, options, num_pipelines)
@@ -489,6 +488,21 @@ def _resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"option device: got {name!r}, but CUDA is not available here")
     return device
+
+
+def _max_prompt_positions(config: FamilyConfig, options: EngineOptions,
+                          prefix: tuple[int, ...]) -> int | None:
+    """The prompt positions the model holds beside the tokens the search generates after the
+    first round; a model that holds no prompt at all is refused here, not at every request."""
+    if config.max_positions is None:
+        return None
+    most = config.max_positions - (options.rounds - 1)
+    if most < len(prefix) + 1:
+        raise ValueError(f"config key 'max_position_embeddings': got {config.max_positions}, which "
+                         f"holds no prompt: the search generates {options.rounds} tokens and the "
+                         f"generation prefix is {len(prefix)}; at least "
+                         f"{options.rounds + len(prefix)} are needed")
+    return most
 
 
 def _generation_prefix(options: EngineOptions, config: FamilyConfig,
