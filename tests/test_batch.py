@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from xrec import RecRequest
+from xrec.catalog import ItemCatalog
 from xrec.cli import main as xrec_main
 from xrec.demo import write_random_model
 from xrec.scale.batch import LOCK, MANIFEST, BatchJob, load_engine, part_name, run_batch
@@ -285,6 +286,39 @@ def test_cli_refusals(tmp_path, model_dir, capsys):
     with pytest.raises(SystemExit):
         xrec_main(base + ["--resume", "--overwrite"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_an_extended_catalog_file_is_read_as_catalog_extended_says(tmp_path, model_dir, capsys):
+    """`xrec batch --catalog FILE` could not name an extended catalog (read as 20-byte records,
+    refused). `--catalog-extended true` reads it, as `xrec serve` and `xrec recommend` do."""
+    base = ItemCatalog.from_model_dir(model_dir, VOCAB)
+    even = base.item_ids % 2 == 0
+    ids = base.item_ids[even].tolist()
+    ItemCatalog.from_arrays(ids, base.triples[even], VOCAB, [f"d{i}" for i in ids],
+                            ["video"] * len(ids)).write(tmp_path / "typed.bin")
+    source = write_jsonl(tmp_path / "in.jsonl", token_rows(3))
+    flags = ["batch", "--input", str(source), "--model", str(model_dir), "--no-progress",
+             "--num-threads", "1", "--catalog", str(tmp_path / "typed.bin")]
+    assert xrec_main([*flags, "--output", str(tmp_path / "o1")]) == 1
+    assert "typed.bin: trailing partial record" in capsys.readouterr().err
+    assert xrec_main([*flags, "--output", str(tmp_path / "o2"), "--catalog-extended", "true"]) == 0
+    records = read_output(tmp_path / "o2")
+    items = [item for record in records for result in record["items"] for item in result]
+    assert len(records) == 3 and items and all(item % 2 == 0 for item in items)
+    assert json.loads((tmp_path / "o2" / MANIFEST).read_text())["job"]["catalog_extended"]
+    assert xrec_main([*flags[:-2], "--output", str(tmp_path / "o3"), "--catalog-extended",
+                      "true"]) == 1
+    assert "--catalog-extended: says how to read --catalog FILE" in capsys.readouterr().err
+    from xrec.scale.batch_ray import ChunkActor   # --ray's actors: built here, Ray never starts
+
+    typed = job(tmp_path, model_dir, source, catalog=str(tmp_path / "typed.bin"),
+                catalog_extended=True)
+    actor = ChunkActor(typed.model_dir, typed.catalog, typed.options(), SETTINGS, "jsonl",
+                       "jsonl", None, typed.catalog_extended)
+    try:
+        assert actor.engine.catalog_version.is_extended
+    finally:
+        actor.engine.close()
 
 
 @pytest.mark.parametrize("flags, names", [

@@ -10,7 +10,7 @@ import sys
 from typing import Sequence
 
 from xrec.config import MODEL_SIZES, EngineOptions
-from xrec.config.engine import parse_bool, parse_generation_prefix
+from xrec.config.engine import add_catalog_flags, check_catalog_flags, parse_generation_prefix
 from xrec.demo import model_dir_or_demo
 
 
@@ -124,21 +124,6 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     return parser
 
-
-def add_catalog_flags(parser: argparse.ArgumentParser) -> None:
-    """`--catalog FILE` and how to read it (docs/catalog.md, "Which catalog a model serves")."""
-    parser.add_argument("--catalog", help="catalog file (default: the model directory's)")
-    parser.add_argument("--catalog-extended", type=parse_bool, default=None, metavar="true|false",
-                        help="read --catalog's extended records (a did and a type per item) "
-                        "(default: as the model directory's tokenizer_config.json says, "
-                        "\"extended_item_info\"; false for a .txt/.csv file)")
-
-
-def check_catalog_flags(args: argparse.Namespace) -> None:
-    if args.catalog_extended is not None and args.catalog is None:
-        raise ValueError("--catalog-extended: says how to read --catalog FILE, which is not "
-                         "given (the model directory's catalog is read as its "
-                         "tokenizer_config.json's extended_item_info says)")
 
 
 def _make_model(args: argparse.Namespace) -> int:

@@ -220,3 +220,18 @@ def parse_bool(text: str) -> bool:
     if text.lower() in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+def add_catalog_flags(parser: argparse.ArgumentParser) -> None:
+    """`--catalog FILE` and how to read it (docs/catalog.md, "Which catalog a model serves")."""
+    parser.add_argument("--catalog", help="catalog file (default: the model directory's)")
+    parser.add_argument("--catalog-extended", type=parse_bool, default=None, metavar="true|false",
+                        help="read --catalog's extended records (a did and a type per item) "
+                        "(default: as the model directory's tokenizer_config.json says, "
+                        "\"extended_item_info\"; false for a .txt/.csv file)")
+
+
+def check_catalog_flags(args: argparse.Namespace) -> None:
+    if args.catalog_extended is not None and args.catalog is None:
+        raise ValueError("--catalog-extended: says how to read --catalog FILE, which is not "
+                         "given (the model directory's catalog is read as its "
+                         "tokenizer_config.json's extended_item_info says)")

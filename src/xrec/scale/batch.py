@@ -89,6 +89,7 @@ class BatchJob:
     resume: bool = False
     overwrite: bool = False
     progress: bool = True
+    catalog_extended: bool | None = None   # how to read `catalog` (Engine.from_pretrained)
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_rows, bool) or not isinstance(self.chunk_rows, int) or \
@@ -158,6 +159,7 @@ class BatchJob:
                 "model_files": model_files_stamp(self.model_dir),
                 "catalog": None if self.catalog is None else os.path.abspath(self.catalog),
                 "catalog_file": None if self.catalog is None else catalog_stamp(self.catalog),
+                "catalog_extended": self.catalog_extended,
                 "settings": asdict(self.settings),
                 "engine_options": {k: (list(v) if isinstance(v, tuple) else v)
                                    for k, v in sorted(self.options().items())}}
@@ -436,7 +438,8 @@ def run_batch(job: BatchJob, engine: EngineFrontend | None = None,
         write_manifest(out, identity, start_chunk, done_rows, False)
         own_engine = engine is None
         if own_engine:
-            engine = load_engine(job.model_dir, job.catalog, job.options(), owns_process)
+            engine = load_engine(job.model_dir, job.catalog, job.options(), owns_process,
+                                 job.catalog_extended)
         try:
             return _pipeline(job, engine, info, identity, schema, output_format, start_chunk,
                              num_chunks, done_rows)

@@ -126,8 +126,10 @@ class ChunkActor:
     """One Engine per actor; each call runs one chunk (a pyarrow table) to its records."""
 
     def __init__(self, model_dir: str, catalog: str | None, options: dict, settings: RowSettings,
-                 input_format: str, output_format: str, schema: Any):
-        self.engine = load_engine(model_dir, catalog, options, owns_process=True)
+                 input_format: str, output_format: str, schema: Any,
+                 catalog_extended: bool | None = None):
+        self.engine = load_engine(model_dir, catalog, options, owns_process=True,
+                                  catalog_extended=catalog_extended)
         self.settings, self.input_format, self.output_format = settings, input_format, output_format
         self.schema = schema
 
@@ -218,7 +220,7 @@ def _dataset(info: InputInfo, job: BatchJob, engine_options: dict, schema: Any, 
         fn_constructor_kwargs={"model_dir": job.model_dir, "catalog": job.catalog,
                                "options": engine_options, "settings": job.settings,
                                "input_format": info.format, "output_format": output_format,
-                               "schema": schema})
+                               "schema": schema, "catalog_extended": job.catalog_extended})
 
 
 def _write(dataset: Any, out: Path, output_format: str, progress: bool) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from xrec.config import EngineOptions
+from xrec.config.engine import add_catalog_flags, check_catalog_flags
 from xrec.demo import model_dir_or_demo
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ def add_batch_parser(sub: Any) -> argparse.ArgumentParser:
     batch.add_argument("--output", required=True, help="output directory (part files + "
                        "_xrec_batch.json); refused if it exists, unless --resume or --overwrite")
     batch.add_argument("--model", help="model directory (default: the built-in demo model)")
-    batch.add_argument("--catalog", help="catalog file (default: the model directory's)")
+    add_catalog_flags(batch)
     batch.add_argument("--format", dest="input_format", choices=("parquet", "jsonl"),
                        help="input format (default: from the suffix)")
     batch.add_argument("--output-format", choices=("parquet", "jsonl"),
@@ -82,10 +83,11 @@ def batch_job(args: argparse.Namespace) -> BatchJob:
     return BatchJob(args.input, args.output, model_dir_or_demo(args.model), args.catalog, settings,
                     args.input_format, args.output_format, args.chunk_rows,
                     EngineOptions.kwargs_from_cli(args),
-                    args.resume, args.overwrite, not args.no_progress)
+                    args.resume, args.overwrite, not args.no_progress, args.catalog_extended)
 
 
 def run_batch_command(args: argparse.Namespace) -> int:
+    check_catalog_flags(args)
     if args.ray:
         require_ray("--ray")
         if args.resume:
