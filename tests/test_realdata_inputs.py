@@ -131,16 +131,21 @@ def test_eval_refuses_two_models_of_one_name_before_ranking(split, tmp_path):
     assert not (tmp_path / "eval").exists()
 
 
+def _two_tiny_models(split, tmp_path) -> tuple[Path, Path]:
+    """Two copies of one tiny model, `first` and `second` (two rows of one eval)."""
+    sid = tmp_path / "sid"
+    build_sid_dir(split, sid, embeddings="svd", codebook_size=8, dim=8)
+    first = _tiny_model(split, sid, tmp_path / "first")
+    shutil.copytree(first, tmp_path / "second")
+    return first, tmp_path / "second"
+
+
 def test_eval_into_a_reused_out_keeps_only_its_own_predictions(split, tmp_path):
     """`--out` reused by a run that ranks fewer models (or none): the earlier run's
     predictions-<model>.jsonl (and predictions.jsonl) stayed beside an eval.json that does
     not name them. Each run now removes the predictions files it does not write, names its
     own in eval.json's `predictions`, and leaves every other file alone."""
-    sid = tmp_path / "sid"
-    build_sid_dir(split, sid, embeddings="svd", codebook_size=8, dim=8)
-    first = _tiny_model(split, sid, tmp_path / "first")
-    second = tmp_path / "second"
-    shutil.copytree(first, second)
+    first, second = _two_tiny_models(split, tmp_path)
     out = tmp_path / "eval"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
@@ -169,11 +174,7 @@ def test_an_eval_that_fails_while_writing_leaves_the_files_the_earlier_eval_json
     removed the earlier run's predictions first, so the eval.json left behind named a file
     that was gone. Now the predictions are written first, eval.json last, and the stale
     files removed only after it."""
-    sid = tmp_path / "sid"
-    build_sid_dir(split, sid, embeddings="svd", codebook_size=8, dim=8)
-    first = _tiny_model(split, sid, tmp_path / "first")
-    second = tmp_path / "second"
-    shutil.copytree(first, second)
+    first, second = _two_tiny_models(split, tmp_path)
     out = tmp_path / "eval"
     options = eval_run.EvalOptions(beam_width=10, baselines=())
     eval_run.evaluate(split, [first, second], out, options, progress=False, log=lambda *_: None)

@@ -12,6 +12,8 @@ import os
 import signal
 import subprocess
 import sys
+from contextlib import contextmanager
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -211,20 +213,28 @@ def test_xrec_serve_serves_an_extended_catalog_file(model_dir, tmp_path):
     typed = ItemCatalog.from_arrays(ids, plain.triples, VOCAB, [f"d{i}" for i in ids],
                                     ["video" if i % 2 == 0 else "live" for i in ids])
     typed.write(tmp_path / "typed.bin")
+    with _xrec_serve(model_dir, tmp_path, "--catalog", str(tmp_path / "typed.bin"),
+                     "--catalog-extended", "true") as client:
+        current = client.get(LOAD).json()["current"]
+        assert current["is_extended"] and current["content_hash"] == typed.content_hash()
+        answer = client.post("/v1/rec/completions", json={
+            "token_ids": [1, 2, 3], "beam_width": 8, "item_types": ["video"]})
+        assert answer.status_code == 200, answer.text
+        items = [item for result in answer.json()["results"] for item in result["items"]]
+    assert items and all(item == {"item_id": item["item_id"], "did": f"d{item['item_id']}",
+                                  "type": "video"} for item in items), items
+
+
+@contextmanager
+def _xrec_serve(model_dir, tmp_path, *args: str) -> Iterator[httpx.Client]:
+    """`xrec serve` of `model_dir` with `args` (log: tmp_path/serve.log), a client of it;
+    then SIGTERM, which must end it with status 0."""
     log_path = tmp_path / "serve.log"
     proc, url, _ = start_serve(["--model", str(model_dir), "--device", "cpu", "--grace-s", "1",
-                                "--catalog", str(tmp_path / "typed.bin"),
-                                "--catalog-extended", "true"], _env(tmp_path), log_path)
+                                *args], _env(tmp_path), log_path)
     try:
         with httpx.Client(base_url=url, timeout=WAIT_S) as client:
-            current = client.get(LOAD).json()["current"]
-            assert current["is_extended"] and current["content_hash"] == typed.content_hash()
-            answer = client.post("/v1/rec/completions", json={
-                "token_ids": [1, 2, 3], "beam_width": 8, "item_types": ["video"]})
-            assert answer.status_code == 200, answer.text
-            items = [item for result in answer.json()["results"] for item in result["items"]]
-        assert items and all(item == {"item_id": item["item_id"], "did": f"d{item['item_id']}",
-                                      "type": "video"} for item in items), items
+            yield client
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=WAIT_S * 2) == 0, log_path.read_text()
     finally:
@@ -236,22 +246,11 @@ def test_xrec_serve_serves_an_extended_catalog_file(model_dir, tmp_path):
 def test_loads_through_xrec_serve_and_a_clean_drain(model_dir, catalogs, tmp_path):
     """The FIFO load held two requests open past SIGTERM ("2 HTTP request(s) still open
     after the drain") and the process kept running; now it is refused and the drain ends."""
-    log_path = tmp_path / "serve.log"
-    proc, url, _ = start_serve(["--model", str(model_dir), "--device", "cpu", "--grace-s", "1",
-                                "--catalog-dir", str(catalogs)], _env(tmp_path), log_path)
-    try:
-        with httpx.Client(base_url=url, timeout=WAIT_S) as client:
-            for _ in range(2):
-                message = _error(client.post(LOAD, json={"path": "fifo.bin"}), 400,
-                                 "INVALID_ARGUMENT")
-                assert "FIFO" in message
-            assert client.post(LOAD, json={"path": "daily/good.bin"}).status_code == 200
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=WAIT_S * 2) == 0, log_path.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    log = log_path.read_text()
+    with _xrec_serve(model_dir, tmp_path, "--catalog-dir", str(catalogs)) as client:
+        for _ in range(2):
+            message = _error(client.post(LOAD, json={"path": "fifo.bin"}), 400, "INVALID_ARGUMENT")
+            assert "FIFO" in message
+        assert client.post(LOAD, json={"path": "daily/good.bin"}).status_code == 200
+    log = (tmp_path / "serve.log").read_text()
     assert "still open" not in log and "Traceback" not in log, log
     assert "without an API key" in log   # loads on, no key: the operator is warned

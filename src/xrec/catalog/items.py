@@ -7,7 +7,6 @@ is imported only by `ItemCatalog.constraint_tables` and `ConstraintTables.to`.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import re
@@ -19,6 +18,7 @@ import numpy as np
 
 from xrec.catalog import formats as catalog_io
 from xrec.catalog.formats import MAX_VOCAB_SIZE, NUM_LEVELS, CatalogError
+from xrec.config.keys import read_json
 from xrec.errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -105,14 +105,9 @@ def _tokenizer_config(config_path: Path) -> dict[str, Any]:
     if not config_path.is_file():
         return {}
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise CatalogError(f"{config_path}: cannot read it as JSON ({exc})") from exc
-    except RecursionError:
-        raise CatalogError(f"{config_path}: JSON nested too deeply") from None
-    if not isinstance(config, dict):
-        raise CatalogError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
-    return config
+        return read_json(config_path)
+    except ValueError as exc:
+        raise CatalogError(str(exc)) from None
 
 
 def _extended_item_info(config_path: Path, config: dict[str, Any]) -> bool:
