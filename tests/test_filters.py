@@ -61,7 +61,7 @@ def served(request, tmp_path_factory):
 def _request(family: str, seed: int, **fields) -> RecRequest:
     rng = np.random.default_rng(seed)
     ids = rng.integers(1, 400 if family == "qwen3" else 60, size=6).tolist()
-    return RecRequest(token_ids=ids, beam_width=12, num_return_sequences=12, **fields)
+    return RecRequest(**{"token_ids": ids, "beam_width": 12, "num_return_sequences": 12, **fields})
 
 
 def _reduced(catalog: ItemCatalog, keep: np.ndarray) -> ItemCatalog:
@@ -180,6 +180,40 @@ def test_filtered_and_plain_requests_share_a_batch(served):
     alone = [_answer(engine.recommend(r)[0]) for r in requests]
     for index, (got, want) in enumerate(zip(together, alone)):
         _assert_same(got, want, f"request {index}")
+
+
+def test_a_seeded_mix_of_settings_and_filters_answers_as_alone(served):
+    """One batch of a seeded random mix: widths from 1 to past the catalog's semantic IDs,
+    N below, at and above W, both normalisations, temperatures, and filters (none, an empty
+    list, duplicated and unknown ids, every item, type lists, types with exclusions): each
+    request answers as it does alone."""
+    family, engine, catalog, _ = served
+    rng = np.random.default_rng(25)
+    ids = catalog.item_ids.tolist()
+    filters = [{}, {"exclude_items": []}, {"exclude_items": ids + [10_001]},
+               {"exclude_items": ids[:80] * 2 + [10_001, -2 ** 63]}, {"item_types": ["show"]},
+               {"item_types": ["movie", "unused"], "exclude_items": ids[::3]}]
+    requests = []
+    for index in rng.permutation(len(filters) + 2):
+        width = int(rng.choice([1, 5, catalog.num_triples + 3]))
+        num = int(rng.choice([max(1, width // 2), width, 2 * width + 1]))
+        requests.append(_request(family, int(index), beam_width=width, num_return_sequences=num,
+                                 normalize=str(rng.choice(["allowed", "full"])),
+                                 temperature=float(rng.choice([0.0, 2.0])),
+                                 **filters[index % len(filters)]))
+    batch_sizes = []
+    engine.executor.fault = lambda batch: batch_sizes.append(batch.num_requests)
+    try:
+        together = [_answer(r) for r in engine.recommend(requests)]
+        assert batch_sizes == [len(requests)]
+        alone = [_answer(engine.recommend(r)[0]) for r in requests]
+    finally:
+        engine.executor.fault = None
+    for index, (request, got, want) in enumerate(zip(requests, together, alone)):
+        _assert_same(got, want, f"request {index}")
+        if request.exclude_items is not None and len(request.exclude_items) > catalog.num_items:
+            assert got == [], "every item excluded"
+        assert len(got) <= request.num_return_sequences
 
 
 def test_exclude_history_drops_the_items_a_chat_names(tmp_path):
