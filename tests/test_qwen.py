@@ -341,6 +341,38 @@ def test_rope_settings_are_read_as_hugging_face_reads_them_or_refused(models, tm
         torch.testing.assert_close(model.logits(last)[0], want, rtol=0, atol=2e-5)
 
 
+# a config.json without num_key_value_heads / head_dim (make_hf_causal options, keys dropped): transformers
+# then takes 32 K/V heads (qwen3_moe: 4) and, for qwen3, a head_dim of 128
+MISSING_HEAD_KEYS = {
+    "qwen3_moe-kv": (dict(kind="qwen3_moe", num_heads=8, num_kv_heads=4, head_dim=4), ("num_key_value_heads",)),
+    "qwen3-head_dim": (dict(kind="qwen3", num_heads=2, num_kv_heads=2, head_dim=128), ("head_dim",)),
+    "qwen2-both": (dict(kind="qwen2", num_heads=64, num_kv_heads=32, head_dim=2, hidden_size=128),
+                   ("num_key_value_heads", "head_dim")),
+}
+
+
+@pytest.mark.parametrize("case", list(MISSING_HEAD_KEYS))
+def test_missing_head_keys_take_hugging_face_defaults(tmp_path, case):
+    """Without the key xrec took num_attention_heads K/V heads and hidden / heads per head:
+    checkpoints transformers loads were refused as not matching config.json. A default that does
+    not divide the heads is refused, naming the key."""
+    options, dropped = MISSING_HEAD_KEYS[case]
+    _, directory = make_hf_causal(tmp_path, seed=5, vocab_size=VOCAB, **options)
+    raw = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if k not in dropped}))
+    prompt = list(range(1, 20))
+    with torch.inference_mode():
+        want = hf_causal_logits(_hf_from_dir(directory), prompt)[-1]
+        model = load_model(directory, "cpu", torch.float32)
+        last, _ = model.prefill(ModelInputs(torch.tensor([prompt]), [len(prompt)], [], None, [], None, [0]))
+        torch.testing.assert_close(model.logits(last)[0], want, rtol=0, atol=2e-5)
+    raw = {k: v for k, v in raw.items() if k != "num_key_value_heads"}
+    (directory / "config.json").write_text(json.dumps({**raw, "num_attention_heads": 6, "head_dim": 4}))
+    with pytest.raises(ValueError, match="'num_key_value_heads' is missing: transformers then takes "
+                                         f"{4 if options['kind'] == 'qwen3_moe' else 32}"):
+        load_model(directory, "cpu", torch.float32)
+
+
 def test_catalog_tokens_the_tokenizer_does_not_know_are_refused(tmp_path):
     from xrec.demo import write_random_model
     from xrec.catalog.sid_vocab import SidLayout

@@ -179,9 +179,8 @@ class QwenConfig:
             intermediate_size=get_key(raw, "intermediate_size", 3072, int),
             num_hidden_layers=get_key(raw, "num_hidden_layers", 28, int),
             num_attention_heads=heads,
-            num_key_value_heads=get_key(raw, "num_key_value_heads", heads, int),
-            head_dim=get_key(raw, "head_dim", None, int) if raw.get("head_dim") is not None
-            else _default_head_dim(hidden, heads),
+            num_key_value_heads=_kv_heads(raw, model_type, heads),
+            head_dim=_head_dim(raw, model_type, hidden, heads),
             rms_norm_eps=get_key(raw, "rms_norm_eps", 1e-6, float),
             rope_theta=_rope_theta(raw),
             max_position_embeddings=get_key(raw, "max_position_embeddings", 32768, int),
@@ -226,8 +225,36 @@ class QwenConfig:
         return QwenConfig(**d)
 
 
+# transformers' values for keys config.json lacks (Qwen2Config, Qwen3Config, Qwen3MoeConfig, 4.x and
+# 5.x alike); a null value means num_attention_heads and hidden_size / num_attention_heads instead
+_MISSING_KV_HEADS = {"qwen2": 32, "qwen3": 32, "qwen3_moe": 4}
+_MISSING_HEAD_DIM = {"qwen3": 128}
+
+
+def _kv_heads(raw: dict[str, Any], model_type: str, heads: int) -> int:
+    """`num_key_value_heads`; without the key, transformers' default, which must divide the heads."""
+    if "num_key_value_heads" in raw:
+        return get_key(raw, "num_key_value_heads", heads, int)
+    kv = _MISSING_KV_HEADS[model_type]
+    if heads >= 1 and heads % kv:
+        raise ValueError(f"config key 'num_key_value_heads' is missing: transformers then takes {kv} for "
+                         f"{model_type}, which does not divide num_attention_heads={heads}; give "
+                         "num_key_value_heads")
+    return kv
+
+
+def _head_dim(raw: dict[str, Any], model_type: str, hidden: int, heads: int) -> int:
+    """`head_dim`; without the key, transformers' default (qwen3: 128), else hidden / heads."""
+    if raw.get("head_dim") is not None:
+        return get_key(raw, "head_dim", None, int)
+    if "head_dim" not in raw and model_type in _MISSING_HEAD_DIM:
+        return _MISSING_HEAD_DIM[model_type]
+    return _default_head_dim(hidden, heads)
+
+
 def _default_head_dim(hidden: int, heads: int) -> int:
-    """`head_dim` when config.json has none: hidden_size / num_attention_heads. A head count
+    """`head_dim` as hidden_size / num_attention_heads (config.json's is null, or absent outside
+    qwen3). A head count
     below 1 is left to `check_positive` (it divided by zero here); a hidden size the heads do
     not divide is an error naming both keys."""
     if heads < 1:
