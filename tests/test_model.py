@@ -273,6 +273,37 @@ def test_t5_untied_head_with_scale_decoder_outputs_is_refused(hf_models, tmp_pat
             assert not got.config.tie_word_embeddings
 
 
+# config.json's decoder_start_token_id, bos_token_id (None: key absent), generation_config.json's
+# decoder_start_token_id (None: no file) -> the decoder start transformers' generate takes
+DECODER_STARTS = {"bos_without_decoder_start": (None, 5, None, 5),
+                  "generation_config_wins": (0, None, 7, 7),
+                  "config_alone": (3, 5, None, 3)}
+
+
+@pytest.mark.parametrize("case", list(DECODER_STARTS))
+def test_t5_decoder_start_is_the_one_generate_takes(hf_models, tmp_path, case):
+    """generate starts the decoder from generation_config.json's decoder_start_token_id where
+    that file exists, else config.json's, else its bos_token_id. xrec read config.json's
+    decoder_start_token_id or 0: it decoded from another token than generate's."""
+    from transformers import T5ForConditionalGeneration
+    _, directory, _ = hf_models["relative"]
+    config_start, bos, generation_start, want = DECODER_STARTS[case]
+    raw = {k: v for k, v in json.loads((directory / "config.json").read_text()).items()
+           if k not in ("decoder_start_token_id", "bos_token_id")}
+    raw.update({k: v for k, v in (("decoder_start_token_id", config_start), ("bos_token_id", bos))
+                if v is not None})
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    if generation_start is not None:
+        (tmp_path / "generation_config.json").write_text(json.dumps({"decoder_start_token_id": generation_start}))
+    (tmp_path / "model.safetensors").write_bytes((directory / "model.safetensors").read_bytes())
+    hf = T5ForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        start = hf.generate(input_ids=torch.tensor([[5, 9, 13]]), num_beams=2, max_new_tokens=1,
+                            do_sample=False, eos_token_id=None)[0, 0]
+    assert int(start) == want
+    assert load_model(tmp_path, device="cpu", dtype=torch.float32).config.bos_token_id == want
+
+
 @pytest.mark.parametrize("name", ["relative", "absolute", "untied"])
 @pytest.mark.parametrize("kind", ["token_ids", "inputs_embeds"])
 @pytest.mark.parametrize("length", [1, 40])   # 40 > relative_attention_max_distance=32: log buckets

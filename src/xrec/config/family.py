@@ -56,6 +56,15 @@ def model_config_from_dict(raw: dict[str, Any]) -> ModelConfig | QwenConfig:
 
 
 def read_model_config(path: str | Path) -> ModelConfig | QwenConfig:
-    """A model directory's config.json (`path` names the file) in either family."""
-    return model_config_from_dict(read_json(path))
+    """A model directory's config.json (`path` names the file) in either family. A T5
+    config's decoder start comes from the generation_config.json beside it where that names
+    one, as in transformers' `generate` (which reads config.json's only without that file)."""
+    raw = read_json(path)
+    generation = Path(path).with_name("generation_config.json")
+    if raw.get("model_type") == "t5" and generation.is_file():
+        generation_raw = read_json(generation)
+        start = {key: generation_raw.get(key) for key in ("decoder_start_token_id", "bos_token_id")}
+        if any(value is not None for value in start.values()):
+            raw = {**raw, **start}
+    return model_config_from_dict(raw)
 

@@ -273,7 +273,9 @@ def _t5_fields(raw: dict[str, Any]) -> dict[str, Any]:
         num_decoder_layers=get_key(raw, "num_decoder_layers", layers, int),
         num_heads=heads, head_dim=d_kv, num_kv_heads=heads,
         decoder_num_heads=heads, decoder_head_dim=d_kv, decoder_num_kv_heads=heads,
-        bos_token_id=get_key(raw, "decoder_start_token_id", 0, int),
+        # generate's decoder start: decoder_start_token_id, else bos_token_id
+        bos_token_id=get_key(raw, "decoder_start_token_id", None, int)
+        if raw.get("decoder_start_token_id") is not None else get_key(raw, "bos_token_id", 0, int),
         torch_dtype=dtype_name(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
     )
     return out
