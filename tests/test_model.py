@@ -273,6 +273,23 @@ def test_t5_untied_head_with_scale_decoder_outputs_is_refused(hf_models, tmp_pat
             assert not got.config.tie_word_embeddings
 
 
+def test_t5_config_without_d_ff_takes_hugging_face_default(tmp_path):
+    """T5Config's d_ff is 2048 where config.json has none; xrec took 256 and refused a
+    checkpoint transformers loads as not matching config.json."""
+    from oracles.hf import make_hf_t5
+    from transformers import T5ForConditionalGeneration
+    _, directory = make_hf_t5(tmp_path, seed=34, d_ff=2048, num_layers=1, num_decoder_layers=1)
+    raw = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if k != "d_ff"}))
+    ids = [5, 9, 13, 2]
+    with torch.inference_mode():
+        hf = T5ForConditionalGeneration.from_pretrained(directory, dtype=torch.float32).eval()
+        model = load_model(directory, device="cpu", dtype=torch.float32)
+        assert model.config.d_ff == hf.config.d_ff == 2048
+        got = run_xrec(model, [ids], [None], torch.tensor([[[7]]]), None)
+    check_rounds(got, *hf_reference(hf, [ids], [None]))
+
+
 # config.json's decoder_start_token_id, bos_token_id (None: key absent), generation_config.json's
 # decoder_start_token_id (None: no file) -> the decoder start transformers' generate takes
 DECODER_STARTS = {"bos_without_decoder_start": (None, 5, None, 5),

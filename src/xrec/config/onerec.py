@@ -269,6 +269,7 @@ def _t5_fields(raw: dict[str, Any]) -> dict[str, Any]:
                          "disagree: transformers 5 scales the untied head's input by d_model**-0.5, "
                          "transformers 4 and xrec do not; drop scale_decoder_outputs or set it false")
     out.update(
+        d_ff=get_key(raw, "d_ff", 2048, int),   # T5Config's default (xllm's is 256)
         num_encoder_layers=layers,
         num_decoder_layers=get_key(raw, "num_decoder_layers", layers, int),
         num_heads=heads, head_dim=d_kv, num_kv_heads=heads,
