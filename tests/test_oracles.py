@@ -75,6 +75,7 @@ def hf_models(transformers_mod, tmp_path_factory):
         "relative": dict(seed=11),
         "absolute": dict(seed=12, relative_bias=False),
         "untied": dict(seed=13, tie_word_embeddings=False),
+        "unscaled": dict(seed=14, scale_decoder_outputs=False),   # tied, head input not scaled
     }.items():
         model, directory = make_hf_t5(tmp_path_factory.mktemp(name), **kw)
         out[name] = (model, directory, NaiveOneRec(xrec_config(directory), model.state_dict()))
@@ -203,7 +204,7 @@ def test_round_log_probs_normalisations():
 # naive network vs Hugging Face
 # ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["relative", "absolute", "untied"])
+@pytest.mark.parametrize("name", ["relative", "absolute", "untied", "unscaled"])
 @pytest.mark.parametrize("kind", ["token_ids", "inputs_embeds"])
 def test_forward_matches_hf(hf_models, name, kind):
     from oracles.hf import hf_encoder_and_logits
@@ -212,6 +213,7 @@ def test_forward_matches_hf(hf_models, name, kind):
     cfg = naive.config
     assert cfg.use_absolute_position_embedding == (name == "absolute")
     assert cfg.tie_word_embeddings == (name != "untied")
+    assert cfg.scale_decoder_outputs == (name not in ("untied", "unscaled"))
     assert cfg.bos_token_id == 0
     g = torch.Generator().manual_seed(21)
     for length in (1, 9, 40):   # 40 > relative_attention_max_distance: log buckets and clipping

@@ -46,7 +46,8 @@ DECODER_START = 0
 
 def make_hf_t5(tmp_dir, *, seed: int, vocab_size: int = 64, d_model: int = 32, d_kv: int = 8, d_ff: int = 64,
                num_layers: int = 2, num_decoder_layers: int = 2, num_heads: int = 4, relative_bias: bool = True,
-               tie_word_embeddings: bool = True, relative_attention_num_buckets: int = 32,
+               tie_word_embeddings: bool = True, scale_decoder_outputs: bool = True,
+               relative_attention_num_buckets: int = 32,
                relative_attention_max_distance: int = 32, std: float = 0.25, embedding_std: float = 2.0,
                bias_std: float = 2.0):
     """A random gated-SiLU `T5ForConditionalGeneration` (eval, float32, eager
@@ -60,7 +61,9 @@ def make_hf_t5(tmp_dir, *, seed: int, vocab_size: int = 64, d_model: int = 32, d
     Face logits agree with a float64 recompute to ~1e-5 (std 0.5 gives ~2e-4:
     too loose for 1e-4 score checks).
     `relative_bias=False`: both bias tables are zeroed and config.json says
-    `"use_absolute_position_embedding": true`.
+    `"use_absolute_position_embedding": true`. `scale_decoder_outputs=False` (tied head
+    only): the head's input is not scaled by d_model**-0.5 and config.json says
+    `"scale_decoder_outputs": false`, as transformers 5 saves `T5Config(tie_word_embeddings=False)`.
     Generation never stops early: eos_token_id is None in config and
     generation config; decoder_start_token_id = pad_token_id = 0.
 
@@ -114,7 +117,9 @@ def make_hf_t5(tmp_dir, *, seed: int, vocab_size: int = 64, d_model: int = 32, d
     if tie_word_embeddings:
         assert model.lm_head.weight is model.shared.weight
         assert model.config.scale_decoder_outputs
+        model.config.scale_decoder_outputs = scale_decoder_outputs   # read at every forward
     else:
+        assert scale_decoder_outputs, "an untied head is never scaled (see the module docstring)"
         assert model.lm_head.weight is not model.shared.weight
         assert not model.config.scale_decoder_outputs
 

@@ -318,7 +318,8 @@ class NaiveOneRec(StateDictWeights):
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         c = self.config
         if c.tie_word_embeddings:
-            return (hidden * c.d_model ** -0.5) @ self.w("shared.weight").T
+            scale = c.d_model ** -0.5 if c.scale_decoder_outputs else 1.0
+            return (hidden * scale) @ self.w("shared.weight").T
         return hidden @ self.w("lm_head.weight").T
 
     def decoder_logits(self, encoder_output: torch.Tensor, decoder_input_embeds: torch.Tensor) -> torch.Tensor:
