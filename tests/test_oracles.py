@@ -76,6 +76,7 @@ def hf_models(transformers_mod, tmp_path_factory):
         "absolute": dict(seed=12, relative_bias=False),
         "untied": dict(seed=13, tie_word_embeddings=False),
         "unscaled": dict(seed=14, scale_decoder_outputs=False),   # tied, head input not scaled
+        "deep_decoder": dict(seed=15, num_layers=1, num_decoder_layers=3),
     }.items():
         model, directory = make_hf_t5(tmp_path_factory.mktemp(name), **kw)
         out[name] = (model, directory, NaiveOneRec(xrec_config(directory), model.state_dict()))
@@ -278,6 +279,7 @@ def test_state_dict_names(hf_models):
     ("relative", 16, True, "inputs_embeds"),
     ("absolute", 16, True, "token_ids"),
     ("untied", 4, True, "inputs_embeds"),
+    ("deep_decoder", 8, True, "token_ids"),   # generate's cache breaks there: helper turns it off
 ])
 def test_beam_search_matches_hf(hf_models, name, width, use_catalog, kind):
     from oracles.hf import hf_beam_search

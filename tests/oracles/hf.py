@@ -28,6 +28,10 @@ tests/test_oracles.py):
   `length_penalty=0.0` a sequence's `sequences_scores` is the plain sum of its
   per-step log-probabilities (asserted in `hf_beam_search`).
 * `num_return_sequences` must be <= `num_beams` in `generate`.
+* `generate` with its cache fails (IndexError in `cache_utils`) when the decoder
+  has more layers than the encoder: T5 sizes both caches by `num_layers`.
+  `hf_beam_search` turns the cache off then (the decoder recomputes its few
+  positions each round).
 """
 
 from __future__ import annotations
@@ -236,7 +240,8 @@ def hf_beam_search(model, requests, *, beam_width: int, num_return_sequences: in
     else:
         kwargs["inputs_embeds"] = embeds
     out = model.generate(
-        **kwargs, num_beams=w, num_return_sequences=n, max_new_tokens=rounds,
+        **kwargs, use_cache=model.config.num_decoder_layers <= model.config.num_layers,
+        num_beams=w, num_return_sequences=n, max_new_tokens=rounds,
         do_sample=False, length_penalty=0.0, early_stopping="never", eos_token_id=None, output_scores=True,
         return_dict_in_generate=True,
         prefix_allowed_tokens_fn=prefix_allowed_tokens_fn(catalog_triples, model.config.vocab_size),
