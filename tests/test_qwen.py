@@ -373,6 +373,26 @@ def test_missing_head_keys_take_hugging_face_defaults(tmp_path, case):
         load_model(directory, "cpu", torch.float32)
 
 
+def test_expert_counts_that_disagree_are_refused(models, tmp_path):
+    """transformers 5 writes num_local_experts and reads it over num_experts; 4.x reads
+    num_experts only. With both, xrec read num_experts (and refused the checkpoint transformers 5
+    serves as not matching config.json); two values are refused naming both keys, one is read."""
+    _, directory, _ = models("qwen3_moe")
+    raw = json.loads((directory / "config.json").read_text())
+    assert raw["num_local_experts"] == 4 and "num_experts" not in raw
+    (tmp_path / "model.safetensors").write_bytes((directory / "model.safetensors").read_bytes())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "num_experts": 7}))
+    with pytest.raises(ValueError, match="num_experts=7, num_local_experts=4 disagree"):
+        load_model(tmp_path, "cpu", torch.float32)
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "num_experts": 4}))
+    prompt = PROMPTS[1]
+    model = load_model(tmp_path, "cpu", torch.float32)
+    with torch.inference_mode():
+        last, _ = model.prefill(ModelInputs(torch.tensor([prompt]), [len(prompt)], [], None, [], None, [0]))
+        torch.testing.assert_close(model.logits(last)[0], hf_causal_logits(_hf_from_dir(tmp_path), prompt)[-1],
+                                   rtol=0, atol=2e-5)
+
+
 def test_catalog_tokens_the_tokenizer_does_not_know_are_refused(tmp_path):
     from xrec.demo import write_random_model
     from xrec.catalog.sid_vocab import SidLayout

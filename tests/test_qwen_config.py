@@ -75,7 +75,7 @@ def test_moe_layer_rule_and_bias_flags():
     (dict(rope_theta=5000.0), "rope_theta=5000.0, rope_parameters.rope_theta=10000.0 disagree"),
     (dict(num_hidden_layers=2000), "num_hidden_layers': got 2000, expected an integer >= 1 and "
                                    "<= 1024"),
-    (dict(num_experts=20000), "num_experts': got 20000"),
+    (dict(num_experts=20000, num_local_experts=20000), "num_experts': got 20000"),
     # a head count of 0 divided by zero; widths of 2^62 failed inside torch as the model was built
     (dict(num_attention_heads=0), "num_attention_heads': got 0, expected an integer >= 1"),
     (dict(intermediate_size=2 ** 62), f"intermediate_size': got {2 ** 62}"),

@@ -191,6 +191,11 @@ class QwenConfig:
         if model_type == "qwen3_moe":
             # transformers 5 writes num_local_experts; released checkpoints say num_experts
             experts_key = "num_experts" if "num_experts" in raw else "num_local_experts"
+            if raw.get("num_experts") is not None and raw.get("num_local_experts") is not None and \
+                    raw["num_experts"] != raw["num_local_experts"]:
+                raise ValueError(f"config keys num_experts={raw['num_experts']!r}, num_local_experts="
+                                 f"{raw['num_local_experts']!r} disagree: transformers 5 reads "
+                                 "num_local_experts, transformers 4 num_experts; give one value")
             layers = raw.get("mlp_only_layers") or []
             if not isinstance(layers, list) or \
                     not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
