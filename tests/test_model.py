@@ -247,6 +247,24 @@ def test_t5_keys_hugging_face_reads_beside_feed_forward_proj_are_refused(hf_mode
         load_model(tmp_path, device="cpu", dtype=torch.float32)
 
 
+def test_swish_is_served_as_the_silu_it_is(hf_models, tmp_path):
+    """transformers' ACT2FN maps "swish" to SiLU; a T5 with feed_forward_proj "gated-swish"
+    (dense_act_fn "swish") was refused though Hugging Face serves it as the same network."""
+    from transformers import T5ForConditionalGeneration
+    hf, directory, _ = hf_models["relative"]
+    raw = json.loads((directory / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**raw, "feed_forward_proj": "gated-swish", "dense_act_fn": "swish"}))
+    (tmp_path / "model.safetensors").write_bytes((directory / "model.safetensors").read_bytes())
+    ids, start = torch.tensor([[5, 9, 13, 2]]), torch.tensor([[0]])
+    with torch.inference_mode():
+        swish = T5ForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
+        want = swish(input_ids=ids, decoder_input_ids=start).logits
+        torch.testing.assert_close(want, hf(input_ids=ids, decoder_input_ids=start).logits)
+    swish, silu = (load_model(d, device="cpu", dtype=torch.float32) for d in (tmp_path, directory))
+    assert swish.config == silu.config   # the network xrec serves for gated-silu
+
+
 def test_t5_untied_head_with_scale_decoder_outputs_is_refused(hf_models, tmp_path):
     """tie_word_embeddings false with scale_decoder_outputs true: transformers 5 multiplies the
     untied head's input by d_model**-0.5, 4.x does not (it scales a tied head only). xrec served

@@ -43,6 +43,16 @@ def test_hugging_face_configs_are_read(kind):
         assert all(cfg.is_moe_layer(i) for i in range(3))
 
 
+def test_swish_reads_as_silu():
+    """transformers' ACT2FN maps "swish" to SiLU: the same network, refused until now."""
+    assert model_config_from_dict(hf_config_dict("qwen3", hidden_act="swish")) == \
+        model_config_from_dict(hf_config_dict("qwen3"))
+    import torch
+    x = torch.linspace(-20, 20, 1001)
+    act = transformers.activations.ACT2FN
+    torch.testing.assert_close(act["swish"](x), act["silu"](x), rtol=1e-6, atol=1e-7)
+
+
 def test_moe_layer_rule_and_bias_flags():
     cfg = model_config_from_dict(hf_config_dict("qwen3_moe", decoder_sparse_step=2, mlp_only_layers=[3],
                                                 num_hidden_layers=4, attention_bias=True))

@@ -10,6 +10,7 @@ from typing import Any
 from xrec.utils.files import FileRefused, read_regular_file
 
 DTYPES = ("float32", "bfloat16", "float16")
+SILU_NAMES = ("silu", "swish")   # one activation under two names (transformers' ACT2FN)
 MAX_CONFIG_BYTES = 16 << 20   # a config.json is a few KiB
 
 

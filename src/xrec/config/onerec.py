@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from xrec.config.keys import (DTYPES, MAX_EXPERTS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, check_epsilon,
-                              check_positive, dtype_name, get_key, read_json)
+from xrec.config.keys import (DTYPES, MAX_EXPERTS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, SILU_NAMES,
+                              check_epsilon, check_positive, dtype_name, get_key, read_json)
 
 
 @dataclass(frozen=True)
@@ -242,15 +242,15 @@ def _onerec_fields(raw: dict[str, Any]) -> dict[str, Any]:
 
 def _t5_fields(raw: dict[str, Any]) -> dict[str, Any]:
     proj = raw.get("feed_forward_proj", "relu")
-    if proj != "gated-silu":
+    if proj not in tuple(f"gated-{name}" for name in SILU_NAMES):
         raise ValueError(f"config key 'feed_forward_proj': got {proj!r}, allowed: 'gated-silu' "
-                         "(the OneRec feed-forward is a gated SiLU)")
+                         "or 'gated-swish' (the OneRec feed-forward is a gated SiLU)")
     # Hugging Face derives these two from feed_forward_proj, then sets them from config.json
     # (which holds them whenever transformers wrote it): there they win.
     act = raw.get("dense_act_fn", "silu")
-    if act != "silu":
-        raise ValueError(f"config key 'dense_act_fn': got {act!r}, allowed: 'silu' (Hugging Face T5 "
-                         "uses it in place of feed_forward_proj's activation)")
+    if act not in SILU_NAMES:
+        raise ValueError(f"config key 'dense_act_fn': got {act!r}, allowed: 'silu' or 'swish' "
+                         "(Hugging Face T5 uses it in place of feed_forward_proj's activation)")
     gated = raw.get("is_gated_act", True)
     if gated is not True:
         raise ValueError(f"config key 'is_gated_act': got {gated!r}, allowed: true (Hugging Face T5 "

@@ -13,8 +13,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from xrec.config.keys import (MAX_EXPERTS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, check_epsilon,
-                              check_positive, dtype_name, get_key)
+from xrec.config.keys import (MAX_EXPERTS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, SILU_NAMES,
+                              check_epsilon, check_positive, dtype_name, get_key)
 
 MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe")
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -294,8 +294,8 @@ def _rope_theta(raw: dict[str, Any]) -> float:
 def _refuse_unsupported(raw: dict[str, Any]) -> None:
     """Settings that change the network in ways xrec does not implement: a clear error each."""
     act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"config key 'hidden_act': got {act!r}, allowed: 'silu'")
+    if act not in SILU_NAMES:
+        raise ValueError(f"config key 'hidden_act': got {act!r}, allowed: 'silu' or 'swish'")
     scaling = raw.get("rope_scaling")
     if scaling not in (None, {}) and not (isinstance(scaling, dict)
                                            and scaling.get("rope_type", scaling.get("type")) == "default"):
