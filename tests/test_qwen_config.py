@@ -53,6 +53,34 @@ def test_swish_reads_as_silu():
     torch.testing.assert_close(act["swish"](x), act["silu"](x), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("first_windowed, window", [(1, 64), (3, 64), (28, 64), (0, None)])
+@pytest.mark.parametrize("with_layer_types", [True, False])
+def test_use_sliding_window_is_refused_only_where_a_layer_is_windowed(kind, first_windowed, window,
+                                                                       with_layer_types):
+    """use_sliding_window true was refused outright, though transformers windows only the
+    layers from max_window_layers on (qwen2, qwen3; every layer for qwen3_moe) and none
+    without a sliding_window: xrec serves a config exactly when transformers' layers are all
+    full attention (its own reading is the oracle; 4.x configs carry no layer_types)."""
+    keys = dict(SMALL, **(MOE if kind == "qwen3_moe" else {}))
+    if kind == "qwen2":
+        keys.pop("head_dim")
+    classes = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+               "qwen3_moe": transformers.Qwen3MoeConfig}
+    hf = classes[kind](**keys, use_sliding_window=True, max_window_layers=first_windowed,
+                       sliding_window=window)
+    windowed = hf.sliding_window is not None and (
+        kind == "qwen3_moe" or "sliding_attention" in hf.layer_types)
+    raw = {**hf.to_dict(), "use_sliding_window": True, "sliding_window": window}
+    if not with_layer_types:
+        raw.pop("layer_types", None)
+    if windowed:
+        with pytest.raises(ValueError, match="'(use_sliding_window|layer_types)'"):
+            model_config_from_dict(raw)
+    else:
+        assert model_config_from_dict(raw) == model_config_from_dict(hf_config_dict(kind))
+
+
 def test_moe_layer_rule_and_bias_flags():
     cfg = model_config_from_dict(hf_config_dict("qwen3_moe", decoder_sparse_step=2, mlp_only_layers=[3],
                                                 num_hidden_layers=4, attention_bias=True))
@@ -68,7 +96,7 @@ def test_moe_layer_rule_and_bias_flags():
     (dict(rope_parameters={"type": "yarn", "rope_theta": 1e4, "factor": 2.0}), "rope_parameters.type': got 'yarn'"),
     (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}}),
      "rope_parameters': got RoPE settings per layer type \\(full_attention\\)"),
-    (dict(use_sliding_window=True), "use_sliding_window"),
+    (dict(use_sliding_window=True, sliding_window=64), "use_sliding_window"),
     (dict(layer_types=["sliding_attention"] * 3), "layer_types"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(num_key_value_heads=3), "num_key_value_heads"),

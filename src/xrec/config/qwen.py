@@ -291,6 +291,20 @@ def _rope_theta(raw: dict[str, Any]) -> float:
     return theta
 
 
+def _every_layer_full(raw: dict[str, Any], layer_types: list[str] | None) -> bool:
+    """Whether transformers gives every layer full attention despite use_sliding_window: qwen2
+    and qwen3 window only the layers `layer_types` says (when absent: those from
+    max_window_layers on, none with sliding_window null); qwen3_moe windows every layer."""
+    if raw.get("model_type") == "qwen3_moe":
+        return raw.get("sliding_window", 4096) is None
+    if layer_types:
+        return True   # checked above: all full_attention
+    num_layers, first_windowed = raw.get("num_hidden_layers"), raw.get("max_window_layers", 28)
+    return raw.get("sliding_window", 4096) is None or (
+        isinstance(num_layers, int) and isinstance(first_windowed, int)
+        and not isinstance(first_windowed, bool) and first_windowed >= num_layers)
+
+
 def _refuse_unsupported(raw: dict[str, Any]) -> None:
     """Settings that change the network in ways xrec does not implement: a clear error each."""
     act = raw.get("hidden_act", "silu")
@@ -312,9 +326,6 @@ def _refuse_unsupported(raw: dict[str, Any]) -> None:
         if params.get(key, "default") != "default":
             raise ValueError(f"config key 'rope_parameters.{key}': got {params.get(key)!r}, "
                              "allowed: 'default' (plain RoPE)")
-    if raw.get("use_sliding_window"):
-        raise ValueError("config key 'use_sliding_window': got true; xrec implements full attention "
-                         "only (use_sliding_window false)")
     layer_types = raw.get("layer_types")
     if layer_types is not None and not (isinstance(layer_types, list)
                                         and all(isinstance(t, str) for t in layer_types)):
@@ -323,6 +334,10 @@ def _refuse_unsupported(raw: dict[str, Any]) -> None:
     if layer_types and any(t != "full_attention" for t in layer_types):
         raise ValueError(f"config key 'layer_types': got {sorted(set(layer_types))}, allowed: "
                          "'full_attention' only")
+    if raw.get("use_sliding_window") and not _every_layer_full(raw, layer_types):
+        raise ValueError("config key 'use_sliding_window': got true, with layers from "
+                         f"max_window_layers={raw.get('max_window_layers', 28)} on windowed; xrec "
+                         "implements full attention only (use_sliding_window false)")
     if raw.get("shared_expert_intermediate_size"):
         raise ValueError("config key 'shared_expert_intermediate_size': shared experts are not part "
                          "of qwen3_moe; xrec does not implement them")
