@@ -74,3 +74,14 @@ def test_out_of_range_token_id_is_named_as_sent(client, engine, value):
     body = {"token_ids": [1, value]}
     message = refused_like_the_engine(client, engine, body, RecRequest(**body))
     assert f"token_ids[1]: got {value}," in message and "-9223372036854775808" not in message
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -2), ("timeout_ms", 0),
+                                          ("timeout_ms", 10 ** 400), ("temperature", -2.5)])
+def test_an_integer_number_is_named_as_sent(client, engine, field, value):
+    """Was: "temperature: got -2.0", "timeout_ms: got 0.0" and "got inf" for 10**400 (the
+    body's integer read as a float); the Python API says "got -2", "got 0", "got 1000...".
+    Found by the differential hunt of HTTP against `Engine.recommend` (2026-12-06)."""
+    body = {"token_ids": [1, 2, 3], field: value}
+    message = refused_like_the_engine(client, engine, body, RecRequest(**body))
+    assert message.startswith(f"{field}: got {str(value)[:20]}")

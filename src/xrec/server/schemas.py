@@ -30,7 +30,9 @@ Decisions where docs/serving.md leaves a choice:
   a prompt near the body limit takes most of a second, on the event loop.
 - A JSON number must be a number: `"NaN"` (a string) is a schema error (422);
   the non-standard literals `NaN` / `Infinity` and overflowing numbers such as
-  `1e999` parse and are refused by the engine (400).
+  `1e999` parse and are refused by the engine (400). An integer stays an integer in a
+  number field (`temperature`, `timeout_ms`: `Number`), so a refusal quotes it as sent and
+  as the Python API does (`got -2`, not `got -2.0`; `10**400`, not `inf`).
 - `request_id`: 1 to 256 visible ASCII characters (0x21-0x7E), as it is echoed in the
   `X-Request-Id` header; anything else is 400 and the id is not repeated (the answer
   carries a fresh one).
@@ -84,10 +86,10 @@ import binascii
 import itertools
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
 
 from xrec.api_types import RecRequest, RecResponse, SearchLimits
 from xrec.errors import InvalidArgument, PayloadTooLarge
@@ -118,6 +120,17 @@ STREAM = ("true: the choices as server-sent events (text/event-stream) in OpenAI
           "format, one chunk per choice, then a chunk with finish_reason, then `data: [DONE]`.")
 INCLUDE_USAGE = "With stream: true, a last chunk with empty choices and the usage."
 STREAM_OPTIONS = "OpenAI's stream options; ignored without stream: true."
+
+
+def _as_sent(value: Any, handler: Any) -> Any:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value   # however large: the engine refuses what no float holds
+    return handler(value)   # a JSON number (strict: not a boolean, not a string)
+
+
+# A JSON number as sent: an integer stays an int (pydantic's `float` made -1 into -1.0, so a
+# refusal quoted another value than the body's and the Python API's); the schema says "number".
+Number = Annotated[float, WrapValidator(_as_sent)]
 
 
 class SchemaError(InvalidArgument):
@@ -152,7 +165,7 @@ class RecExtensions(BaseModel):
     num_return_sequences: int | None = None
     normalize: str | None = None
     return_items: bool = True
-    timeout_ms: float | None = None
+    timeout_ms: Number | None = None
     exclude_items: list[int] | None = Field(None, description=EXCLUDE_ITEMS)
     item_types: list[str] | None = Field(None, description=ITEM_TYPES)
     exclude_history: bool = Field(False, description=EXCLUDE_HISTORY)
@@ -167,7 +180,7 @@ class NativeRequest(RecExtensions):
     decoder_context_embedding: Matrix | None = None
     beam_width: int | None = None
     top_k: int | None = None
-    temperature: float | None = None
+    temperature: Number | None = None
     seed: int | None = None
     request_id: str | None = None
 
