@@ -572,6 +572,21 @@ def test_malformed_request(request, server, path, body, status, code, says):
     assert served.client.post(valid_path, json=valid_body).status_code == 200
 
 
+@pytest.mark.parametrize("path, body", [
+    (NATIVE, {"prompt": "hello \ud800 world"}), (XLLM, {"prompt": "hello \udfff"}),
+    (CHAT, {"messages": [{"role": "user", "content": "\ud800 hello"}]})])
+def test_a_lone_surrogate_is_refused_as_the_python_api_refuses_it(sid, path, body):
+    """JSON may escape a lone UTF-16 surrogate, and `json.dumps` does for a str holding one;
+    pydantic's parser refused such a body as "malformed JSON body: ... unexpected end of hex
+    escape" (the escape is whole) where the Python API names the field and the character."""
+    response = sid.client.post(path, content=json.dumps(body).encode(),
+                               headers={"content-type": "application/json"})
+    error = assert_error(response, 400)
+    with pytest.raises(InvalidArgument) as refused:
+        sid.engine.validate(RecRequest(**body))
+    assert error["message"] == refused.value.message and "lone surrogate" in error["message"]
+
+
 def test_no_template_still_serves_prompts(no_template, prompt_len, token_to_id):
     out = post(no_template, NATIVE, {"prompt": PROMPT, "beam_width": 4})
     check_results(out["results"], 4, token_to_id)

@@ -33,6 +33,10 @@ Decisions where docs/serving.md leaves a choice:
   `1e999` parse and are refused by the engine (400). An integer stays an integer in a
   number field (`temperature`, `timeout_ms`: `Number`), so a refusal quotes it as sent and
   as the Python API does (`got -2`, not `got -2.0`; `10**400`, not `inf`).
+- A string escaping a lone UTF-16 surrogate (`"\\ud800"`: the JSON grammar allows it, and
+  `json.dumps` writes it for a str holding one) is read by Python's `json` where pydantic's
+  parser refuses it, so the engine names the field and the character as the Python API does
+  (`prompt: character 6 is a lone surrogate`), not "malformed JSON".
 - `request_id`: 1 to 256 visible ASCII characters (0x21-0x7E), as it is echoed in the
   `X-Request-Id` header; anything else is 400 and the id is not repeated (the answer
   carries a fresh one).
@@ -84,6 +88,8 @@ from __future__ import annotations
 import base64
 import binascii
 import itertools
+import json
+import re
 import time
 import uuid
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -100,6 +106,7 @@ if TYPE_CHECKING:
 EMBEDDING_NAMES = ("sparse_embedding", "decoder_context_embedding")
 STRICT = ConfigDict(strict=True, extra="forbid")
 MAX_REQUEST_ID_CHARS = 256
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")   # "\ud800" to "\udfff" in JSON text
 MAX_DIMENSION = 1 << 24
 BYTES_PER_VALUE = 32      # "-2.2250738585072014e-308, " is 26; pretty-printed JSON adds more
 BYTES_PER_TOKEN = 256     # prompt / messages text: a token's characters, JSON-escaped
@@ -306,8 +313,26 @@ def parse_body(body: bytes, schema: type[BaseModel]) -> Any:
     except ValidationError as e:
         errors = e.errors(include_url=False)
         if any(err["type"] == "json_invalid" for err in errors):
-            raise InvalidArgument(f"malformed JSON body: {errors[0]['msg']}") from None
+            return _parse_lone_surrogates(body, schema, errors[0]["msg"])
         raise SchemaError(_describe(errors)) from None
+
+
+def _parse_lone_surrogates(body: bytes, schema: type[BaseModel], message: str) -> Any:
+    """A body pydantic's parser refuses and Python's `json` reads: a string holding a lone
+    UTF-16 surrogate ("\\ud800"), which the JSON grammar allows and `json.dumps` writes for
+    such a str. Parsed, so that the engine names the field and character as the Python API
+    does; any other malformed body is InvalidArgument (400) with the parser's `message`."""
+    malformed = InvalidArgument(f"malformed JSON body: {message}")
+    if SURROGATE_ESCAPE.search(body) is None:
+        raise malformed from None   # not parsed twice
+    try:
+        parsed = json.loads(body.decode())   # UTF-8 only, as pydantic reads it
+    except (ValueError, RecursionError):   # UnicodeDecodeError is a ValueError
+        raise malformed from None
+    try:
+        return schema.model_validate(parsed)
+    except ValidationError as e:
+        raise SchemaError(_describe(e.errors(include_url=False))) from None
 
 
 def _describe(errors: list[dict]) -> str:
