@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed, wait
 import numpy as np
 import pytest
 
-from bounded import waits_in_close
+from bounded import recommend_within, waits_in_close
 from xrec import DeadlineExceeded, Engine, InvalidArgument, RecRequest, Unavailable
 from xrec.demo import write_random_model
 from xrec.engine.isolated import ProcessEngine
@@ -143,6 +143,39 @@ def test_a_cancelled_request_is_done_for_wait_and_as_completed(engine):
     assert done == set(futures), "wait() does not see the cancelled request as done"
     assert set(as_completed(futures, WAIT_S)) == set(futures)
     assert futures[0].result().results
+
+
+def test_a_done_callback_cancelling_many_requests_leaves_the_engine_answering(model_dir):
+    """Done-callbacks run on the receiver thread. One that cancelled the rest of 1,500
+    queued requests (the first answer wins) filled the child's socket with cancels, while
+    the child's reading loop, which sent each "cancelled" itself, blocked on this side's
+    full socket: each waited on the other for good, and the engine answered nothing again.
+    The child's reading loop now never writes to the socket."""
+    engine = Engine.from_pretrained(model_dir, isolation="process", device="cpu",
+                                    max_seqs_per_batch=1, request_queue_size=2000)
+    rest: list = []
+    ready, cancelled = threading.Event(), threading.Event()
+
+    def cancel_the_rest(_):
+        ready.wait(WAIT_S)
+        for future in rest:
+            future.cancel()
+        cancelled.set()
+    try:
+        os.kill(engine.pid, signal.SIGSTOP)     # so that the callback runs on the receiver
+        first = engine.submit(RecRequest(token_ids=[1, 2, 3], beam_width=2))
+        first.add_done_callback(cancel_the_rest)
+        os.kill(engine.pid, signal.SIGCONT)
+        rest.extend(engine.submit_many(_requests(1500, width=2)))
+        ready.set()
+        assert cancelled.wait(WAIT_S), "cancelling from a done-callback wedged the engine"
+        assert all(f.done() for f in rest)
+        assert recommend_within(engine, _requests(1))[0].results
+    finally:
+        ready.set()
+        if not cancelled.is_set():
+            os.kill(engine.pid, signal.SIGKILL)     # unwedge this side's send
+        engine.close()
 
 
 def test_reads_and_calls_from_a_report_hook_answer(model_dir):

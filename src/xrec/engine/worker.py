@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import sys
 import threading
 import time
@@ -66,14 +67,30 @@ def _load(model_dir: str, catalog: str | ItemCatalog | None, catalog_extended: b
 
 class Child:
     """Serves one parent: submissions, cancels, calls. Answers are sent by the thread that
-    has them (a pipeline, as its batch ends): one short socket write, no extra hop."""
+    has them (a pipeline, as its batch ends): one short socket write, no extra hop. The
+    answers that arise on the serving loop's own thread (a cancel's "cancelled", a refused
+    submission's errors) go through `outbox` and a writer thread instead: the loop must
+    never wait on the parent's socket. The parent's receiver may be sending itself (a
+    done-callback cancelling or submitting), and then both sides waited on each other's
+    full socket for good."""
 
     def __init__(self, engine: Engine, conn: Connection, arena: Arena):
         self.engine, self.conn, self.arena = engine, conn, arena
         self.futures: dict[int, Future] = {}
         self.send_lock = threading.Lock()
+        self.outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self.reader = threading.current_thread()
+        self.writer = threading.Thread(target=self._write_outbox, name="xrec-child-send")
+        self.writer.start()
 
     def serve(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self.outbox.put(None)   # the writer sends what is queued, then ends
+            self.writer.join()
+
+    def _serve(self) -> None:
         while True:
             try:
                 message = loads(self.conn.recv_bytes(), self.arena)
@@ -128,6 +145,10 @@ class Child:
         else:
             self.send(("result", seq, future.result()))
 
+    def _write_outbox(self) -> None:
+        while (message := self.outbox.get()) is not None:
+            self.send(message)
+
     def _call(self, seq: int, name: str, args: tuple | None) -> None:
         """The engine's method `name(*args)`, or its attribute `name` when `args` is None."""
         try:
@@ -137,6 +158,9 @@ class Child:
             self.send(("error", seq, _picklable(exc)))
 
     def send(self, message: tuple) -> None:
+        if threading.current_thread() is self.reader:
+            self.outbox.put(message)
+            return
         data = dumps(message, None)[0]
         try:
             with self.send_lock:
