@@ -626,3 +626,57 @@ def test_submissions_to_a_stopped_child_give_up_instead_of_blocking(model_dir, m
     finally:
         os.kill(engine.pid, signal.SIGCONT)
         engine.close()
+
+
+def test_a_send_stuck_on_a_stopped_child_holds_up_neither_submissions_nor_close(model_dir,
+                                                                                 monkeypatch):
+    """With the arena full, a large request travels in the socket itself; to a stopped child
+    (SIGSTOP) its write blocks halfway, holding the socket's lock. Every other submission
+    then waited for that lock for as long as the child stayed stopped (SEND_WAIT_S bounded
+    only the wait for room), and `close(0)` too, before it could kill the child. Now a
+    submission gives up after SEND_WAIT_S and `close` kills the child after its grace and
+    CLOSE_MARGIN_S; the stuck write then fails UNAVAILABLE."""
+    import xrec.engine.isolated as isolated
+
+    monkeypatch.setattr(isolated, "SEND_WAIT_S", 0.5)
+    monkeypatch.setattr(isolated, "CLOSE_MARGIN_S", 1.0)
+    engine = Engine.from_pretrained(model_dir, isolation="process", device="cpu")
+    limits = engine.limits
+    rows = np.ones((limits.max_input_len, limits.d_model), np.float32)     # 512 KiB
+    outcomes: dict = {}
+
+    def attempt(name, action):
+        try:
+            outcomes[name] = action()
+        except Exception as exc:
+            outcomes[name] = exc
+    pid = engine.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        arena = engine._link.arena
+        filler = engine.submit_many([RecRequest(sparse_embedding=rows, beam_width=1)
+                                     for _ in range(arena.size // rows.nbytes)])
+        assert arena.free_bytes < rows.nbytes       # full: the next one goes in-band
+        stuck = threading.Thread(target=attempt, daemon=True, args=(
+            "stuck", lambda: engine.submit(RecRequest(sparse_embedding=rows, beam_width=1))))
+        stuck.start()
+        deadline = time.monotonic() + WAIT_S
+        while not engine._link.send_lock.locked() and time.monotonic() < deadline:
+            time.sleep(0.01)    # the write has begun (and blocks: the child reads nothing)
+        other = threading.Thread(target=attempt, daemon=True, args=(
+            "other", lambda: engine.submit(RecRequest(token_ids=[1, 2], beam_width=1))))
+        other.start()
+        other.join(WAIT_S)
+        assert not other.is_alive(), "a submission waited on the stuck write"
+        assert isinstance(outcomes["other"], Unavailable), outcomes
+        closer = threading.Thread(target=engine.close, args=(0.0,), daemon=True)
+        closer.start()
+        closer.join(WAIT_S)
+        assert not closer.is_alive(), "close(0) waited on the stuck write"
+        stuck.join(WAIT_S)
+        assert isinstance(outcomes["stuck"], Unavailable), outcomes
+        assert all(isinstance(f.exception(WAIT_S), Unavailable) for f in filler)
+        assert _wait_gone(pid)
+    finally:
+        if _is_alive(pid):
+            os.kill(pid, signal.SIGKILL)

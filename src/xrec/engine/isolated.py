@@ -152,21 +152,28 @@ class _Link:
 
     def send(self, message: Any, wait_s: float | None = None) -> list[Region]:
         """`message` to the child; `Unavailable` when the child is gone, or (`wait_s`) when
-        its socket stays full for `wait_s` (a stopped child): then the message is not sent.
-        Only submissions give up so (`SEND_WAIT_S`): a control message must never be lost
-        (a lost "release" would hold the child for good), and a tiny one still fits, since
-        a socket stops polling writable while three quarters of it are free."""
+        its socket stays full, or another message's write holds it, for `wait_s` (a stopped
+        child): then the message is not sent. Only submissions give up so (`SEND_WAIT_S`): a
+        control message must never be lost (a lost "release" would hold the child for good),
+        and a tiny one still fits, since a socket stops polling writable while three quarters
+        of it are free. A write that has begun is not bounded: a large in-band message (the
+        arena full) to a stopped child blocks its caller until the child runs or is killed."""
         data, regions = dumps(message, self.arena)
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        if not self.send_lock.acquire(timeout=-1 if wait_s is None else wait_s):
+            self.arena.free(regions)
+            raise _not_read(wait_s)
         try:
-            with self.send_lock:
-                if wait_s is not None and not _writable(self.conn, wait_s):
-                    self.arena.free(regions)
-                    raise Unavailable(f"the engine process has read none of its messages for "
-                                      f"{wait_s:g} s (stopped, or swapped out)")
-                self.conn.send_bytes(data)
+            if deadline is not None and not _writable(self.conn,
+                                                      max(0.0, deadline - time.monotonic())):
+                self.arena.free(regions)
+                raise _not_read(wait_s)
+            self.conn.send_bytes(data)
         except (OSError, ValueError):
             self.arena.free(regions)
             raise self.error or Unavailable("the engine process is gone") from None
+        finally:
+            self.send_lock.release()
         return regions
 
     def receive(self) -> None:
@@ -495,6 +502,11 @@ class ProcessEngine(EngineFrontend):
                    checked_grace_s(grace_s))
 
 
+def _not_read(wait_s: float) -> Unavailable:
+    return Unavailable(f"the engine process has read none of its messages for {wait_s:g} s "
+                       "(stopped, or swapped out)")
+
+
 def _writable(conn: Connection, timeout_s: float) -> bool:
     """Whether `conn` takes a message within `timeout_s`. A Unix socket polls writable only
     while at most a quarter of its send buffer is queued, so a message then fits without
@@ -553,13 +565,17 @@ def _shut_down_child(link: _Link, threads: tuple[threading.Thread, ...], grace_s
         link.timer_wakeup.notify_all()
     process = link.process
     if process.poll() is None:
-        try:
-            with link.send_lock:
+        deadline = time.monotonic() + grace_s + CLOSE_MARGIN_S
+        # bounded: a write to a stopped child may hold the lock until the child is killed
+        if link.send_lock.acquire(timeout=grace_s + CLOSE_MARGIN_S):
+            try:
                 link.conn.send_bytes(dumps(("close", grace_s), None)[0])
-        except (OSError, ValueError):
-            pass
+            except (OSError, ValueError):
+                pass
+            finally:
+                link.send_lock.release()
         try:
-            process.wait(timeout=grace_s + CLOSE_MARGIN_S)
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             logger.error("engine process %d did not exit; killing it", process.pid)
             process.kill()
