@@ -139,7 +139,7 @@ def _recommend(args: argparse.Namespace) -> int:
     from xrec import Engine, RecRequest
     from xrec.errors import XrecError
 
-    check_catalog_flags(args)
+    check_catalog_flags(args.catalog, args.catalog_extended)
     model_dir = model_dir_or_demo(args.model)
     search = dict(beam_width=args.beam_width, normalize=args.normalize,
                   exclude_items=_int_list("--exclude-items", args.exclude_items),
@@ -215,7 +215,7 @@ def _check_serve_args(args: argparse.Namespace) -> None:
     max_bytes = args.max_catalog_bytes
     if max_bytes is not None and max_bytes < 1:
         raise ValueError(f"--max-catalog-bytes: got {max_bytes}, expected >= 1")
-    check_catalog_flags(args)
+    check_catalog_flags(args.catalog, args.catalog_extended)
     if args.catalog is not None:  # the catalog reader checks it again when it reads
         try:
             check_regular_file(args.catalog, max_bytes or DEFAULT_MAX_CATALOG_BYTES)

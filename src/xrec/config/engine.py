@@ -230,8 +230,10 @@ def add_catalog_flags(parser: argparse.ArgumentParser) -> None:
                         "\"extended_item_info\"; false for a .txt/.csv file)")
 
 
-def check_catalog_flags(args: argparse.Namespace) -> None:
-    if args.catalog_extended is not None and args.catalog is None:
+def check_catalog_flags(catalog: str | None, catalog_extended: bool | None) -> None:
+    """`--catalog-extended` only with `--catalog` (`xrec serve`, `recommend`, `batch`, and
+    `xrec serve --ray`'s options)."""
+    if catalog_extended is not None and catalog is None:
         raise ValueError("--catalog-extended: says how to read --catalog FILE, which is not "
                          "given (the model directory's catalog is read as its "
                          "tokenizer_config.json's extended_item_info says)")

@@ -87,7 +87,7 @@ def batch_job(args: argparse.Namespace) -> BatchJob:
 
 
 def run_batch_command(args: argparse.Namespace) -> int:
-    check_catalog_flags(args)
+    check_catalog_flags(args.catalog, args.catalog_extended)
     if args.ray:
         require_ray("--ray")
         if args.resume:

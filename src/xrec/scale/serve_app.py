@@ -63,7 +63,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from xrec.config import EngineOptions, read_model_config
-from xrec.config.engine import check_grace_flag, parse_bool, parse_generation_prefix
+from xrec.config.engine import (check_catalog_flags, check_grace_flag, parse_bool,
+                               parse_generation_prefix)
 
 logger = logging.getLogger("xrec.server")
 
@@ -101,9 +102,7 @@ class ServeOptions:
         if not 0 <= self.replica_gpus <= 64:
             raise ValueError(f"--replica-gpus: got {self.replica_gpus}, expected >= 0")
         check_grace_flag(self.grace_s)   # as `xrec serve` checks it
-        if self.catalog_extended is not None and self.catalog is None:
-            raise ValueError("--catalog-extended: says how to read --catalog FILE, which is not "
-                             "given")
+        check_catalog_flags(self.catalog, self.catalog_extended)
         from xrec.server.service import checked_api_key, checked_max_body_bytes
         try:
             checked_max_body_bytes(self.max_body_bytes)
