@@ -436,6 +436,37 @@ def test_killed_run_resumes_where_it_stopped(tmp_path, model_dir, engine):
     assert got == read_output(tmp_path / "ref")
 
 
+_IMPORTS_ON_MAIN = """
+import sys, threading
+from xrec.scale.batch import load_engine
+
+class Recorder:
+    imported = []
+    def find_spec(self, name, path=None, target=None):
+        if threading.current_thread() is threading.main_thread():
+            self.imported.append(name)
+        return None
+
+sys.meta_path.insert(0, Recorder())
+engine = load_engine(sys.argv[1], None, {"num_threads": 1}, owns_process=True)
+engine.close()
+print(" ".join(Recorder.imported))
+"""
+
+
+def test_the_engine_and_its_imports_load_off_the_main_thread(model_dir):
+    """Ctrl-C that landed in an import while `xrec batch` loaded (torch, the engine's
+    modules) made `python -m xrec batch` print its one line and then die by SIGINT (-2, not
+    130: CPython 3.11 takes a KeyboardInterrupt that crossed an `exec` of source text, as
+    dataclasses build their methods, for unhandled even once caught), or fail with a
+    RuntimeError from a dataclass's `__set_name__`. The main thread now only waits while
+    the engine and the modules a run needs load, so Ctrl-C lands in that wait."""
+    result = subprocess.run([sys.executable, "-c", _IMPORTS_ON_MAIN, str(model_dir)],
+                            capture_output=True, text=True, timeout=WAIT_S)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == []
+
+
 def _manifest(out: Path) -> dict | None:
     try:
         return json.loads((out / MANIFEST).read_text())

@@ -49,6 +49,7 @@ from xrec.scale.rows import (InputInfo, RowError, RowSettings, answer_record, ch
                              decode_row, error_record, file_format, iter_chunks, naming_os_errors,
                              output_records, output_schema_for, pyarrow_modules, write_records)
 from xrec.utils.files import fsync_path
+from xrec.utils.fresh_thread import in_fresh_thread
 
 if TYPE_CHECKING:
     from xrec.engine.engine import Engine
@@ -401,18 +402,28 @@ def run_chunk(engine: EngineFrontend, raws: Sequence[Any], settings: RowSettings
 
 def load_engine(model_dir: str, catalog: str | None, options: dict,
                 owns_process: bool = False, catalog_extended: bool | None = None) -> Engine:
-    """The engine, in-thread (`Engine.from_pretrained` builds it in a thread that ends, so
-    this thread keeps no OpenMP team, and lets Ctrl-C in only once it is built: a process
-    that exits with a half-made engine aborts; a built one is closed at exit).
+    """The engine, in-thread, built in a thread that ends (so this thread keeps no OpenMP
+    team) with the imports a run needs: Ctrl-C reaches the caller only once it is built (a
+    process that exits with a half-made engine aborts; a built one is closed at exit), and
+    never inside an import. A KeyboardInterrupt raised in an import turned into another error
+    (a dataclass's `__set_name__` wraps it in a RuntimeError), or, under `python -m xrec`,
+    killed the process by SIGINT at exit whatever it returned: CPython 3.11 takes a
+    KeyboardInterrupt that crossed an `exec` of source text, as dataclasses build their
+    methods, for unhandled even when it was caught (docs/decisions.md, "Ctrl-C").
     `owns_process`: this process exists to run it (the `xrec batch` command, a Ray actor or
     replica), so it takes a serving process's settings (`Engine.own_process`)."""
-    from xrec import Engine
+    def load() -> Engine:
+        import tqdm  # noqa: F401  (the run's progress bar)
 
-    engine = Engine.from_pretrained(model_dir, catalog=catalog, isolation="thread",
-                                    catalog_extended=catalog_extended, **options)
-    if owns_process:
-        engine.own_process()
-    return engine
+        from xrec import Engine
+
+        engine = Engine.from_pretrained(model_dir, catalog=catalog, isolation="thread",
+                                        catalog_extended=catalog_extended, **options)
+        if owns_process:
+            engine.own_process()
+        return engine
+
+    return in_fresh_thread(load)
 
 
 _DONE = object()
