@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from xrec.realdata.data import DataError, load_dataset
+from xrec.realdata.data import DataError, leave_one_out, load_dataset
 from xrec.realdata.data import sources
 from xrec.realdata.data.sources import MOVIELENS
 
@@ -66,8 +66,8 @@ def test_ml1m_from_cached_wheel(tmp_path, no_pip):
     assert data.users.dtype == np.int32 and data.items.dtype == np.int32
     assert data.users.tolist() == [0, 1, 0, 2]
     assert data.items.tolist() == [0, 1, 1, 2]
-    assert data.timestamps.dtype == np.float64
-    assert data.timestamps.tolist() == [300.0, 100.0, 200.0, 50.0]
+    assert data.timestamps.dtype == np.int64          # every timestamp an integer
+    assert data.timestamps.tolist() == [300, 100, 200, 50]
     assert data.item_titles == ("Toy Story (1995) · Animation|Children's|Comedy",
                                 "Heat (1995) · Action|Crime|Thriller", "Unlisted (2000)")
 
@@ -163,6 +163,22 @@ def test_csv_file(tmp_path):
     assert data.user_ids == ("u1", "u2") and data.item_ids == ("a", "b")
     assert data.users.tolist() == [0, 1, 0] and data.items.tolist() == [0, 1, 1]
     assert data.timestamps.tolist() == [10.0, 5.0, 7.0]
+
+
+def test_integer_timestamps_beyond_2_53_keep_their_order(tmp_path):
+    """Nanoseconds or 64-bit sequence numbers: float64 read 2**53 + 1 as 2**53, so the split
+    ordered those two by file row and took b's successor a as the validation item."""
+    path = tmp_path / "log.csv"
+    path.write_text("user_id,item_id,timestamp\nu,a,9007199254740993\nu,b,9007199254740992\n"
+                    "u,c,9007199254740994\n")
+    data = load_dataset(str(path))
+    assert data.timestamps.tolist() == [2**53 + 1, 2**53, 2**53 + 2]
+    split = leave_one_out(data)
+    assert [data.item_ids[i] for i in (*split.train[0], split.valid[0], split.test[0])] == \
+        ["b", "a", "c"]
+    mixed = tmp_path / "mixed.csv"      # one decimal: float64 for all, as before
+    mixed.write_text("user_id,item_id,timestamp\nu,a,2\nu,b,1.5\n")
+    assert load_dataset(str(mixed)).timestamps.tolist() == [2.0, 1.5]
 
 
 def test_csv_with_quoted_fields(tmp_path):

@@ -26,7 +26,7 @@ class Interactions:
     item_ids: tuple[str, ...]       # item index -> id as in the file (the ranking universe)
     users: np.ndarray               # int32 [n]
     items: np.ndarray               # int32 [n]
-    timestamps: np.ndarray          # float64 [n]
+    timestamps: np.ndarray          # [n] int64 where the file's are all integers, else float64
     item_titles: tuple[str, ...] | None = None   # item index -> display text (title, genres)
 
     @property

@@ -15,8 +15,10 @@ is an interaction (no rating threshold, no k-core filter).
   are ignored, so RecBole's `.inter` files are read as they are;
 - fields separated by tabs when the header holds a tab, else by commas; comma files may
   quote fields in the CSV way ("a, b"); tab files are not unquoted;
-- `timestamp` a number (seconds, or anything that orders the user's interactions); ids are
-  kept as written. Blank lines are skipped.
+- `timestamp` a number (seconds, or anything that orders the user's interactions), read
+  exactly where every one is an integer (int64: nanoseconds and 64-bit sequence numbers
+  keep their order); ids are kept as written but for surrounding spaces. Blank lines are
+  skipped (a line of spaces is not blank: it is refused, naming its line).
 """
 
 from __future__ import annotations
@@ -297,6 +299,12 @@ def _factorize(values: list[str]) -> tuple[tuple[str, ...], np.ndarray]:
 
 
 def _parse_numbers(values: list[str], line_numbers: np.ndarray | None, where: str) -> np.ndarray:
+    """int64 where every value is written as an integer (exact at any size: float64 read
+    2**53 + 1 as 2**53, and the split ordered those two by file row), else float64."""
+    try:
+        return np.array(values, dtype=np.int64)
+    except (ValueError, OverflowError):
+        pass
     try:
         numbers = np.array(values, dtype=np.float64)
         bad = np.flatnonzero(~np.isfinite(numbers))
