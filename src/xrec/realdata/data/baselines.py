@@ -4,7 +4,10 @@ Both are fitted on the training part only, for either stage: the validation item
 counted, so "valid" and "test" rank with the same model. What changes with the stage is the
 history a user is scored from (and, with `exclude_seen`, what is removed): the training
 items for "valid", the training items and the validation item for "test"
-(`Split.history`). Ties are broken by the lower item index."""
+(`Split.history`). Ties are broken by the lower item index, among scores equal as floats:
+item-kNN's cosines and their sums can differ in the last bit where they are equal as real
+numbers (1 / (√2·√2) is not 1 / (√1·√4)), so another implementation may order such items
+otherwise."""
 
 from __future__ import annotations
 
