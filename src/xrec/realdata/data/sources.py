@@ -17,8 +17,8 @@ is an interaction (no rating threshold, no k-core filter).
   quote fields in the CSV way ("a, b"); tab files are not unquoted;
 - `timestamp` a number (seconds, or anything that orders the user's interactions), read
   exactly where every one is an integer (int64: nanoseconds and 64-bit sequence numbers
-  keep their order); ids are kept as written but for surrounding spaces. Blank lines are
-  skipped (a line of spaces is not blank: it is refused, naming its line).
+  keep their order); ids are kept as written but for surrounding whitespace. Blank lines
+  are skipped (a line of spaces is not blank: it is refused, naming its line).
 """
 
 from __future__ import annotations
