@@ -281,9 +281,12 @@ def test_bad_files(tmp_path, text, match):
         load_dataset(str(path))
 
 
-def test_unknown_source():
-    with pytest.raises(DataError, match="expected ml-1m or ml-100k or the path"):
+def test_unknown_source(tmp_path):
+    with pytest.raises(DataError, match=r"expected ml-1m or ml-100k or the path .*\(no such file\)"):
         load_dataset("ml-20m")
+    # a directory was "no such file" too, which sent the user looking for a missing path
+    with pytest.raises(DataError, match=r"the path of an interactions file \(a directory\)"):
+        load_dataset(str(tmp_path))
 
 
 @pytest.mark.slow

@@ -74,8 +74,9 @@ def load_dataset(source: str, cache_dir: str | Path | None = None) -> Interactio
         return _load_movielens(source, MOVIELENS[source], Path(cache_dir))
     path = Path(source)
     if not path.is_file():
+        what = "a directory" if path.is_dir() else "no such file"
         raise DataError(f"dataset: got {source!r}, expected {' or '.join(MOVIELENS)} or the path "
-                        f"of an interactions file (no such file)")
+                        f"of an interactions file ({what})")
     try:
         data = path.read_bytes()
     except OSError as e:
