@@ -240,6 +240,21 @@ def test_null_message_keys_are_undefined_in_the_template(tmp_path):
     assert messages[0] == {"role": "system", "content": "s", "name": None}   # not changed
 
 
+def test_template_sees_tools_and_documents_as_none(tmp_path):
+    """transformers renders with `tools=None, documents=None` when none are given; xrec left
+    them undefined, so `{% if tools is not none %}` (Mistral's, Llama 3.1's style) was true and
+    wrote a tools header for an empty tool list into every chat."""
+    ours, reference = _both_tokenizers(tmp_path, chat_template=(
+        "{% if tools is not none %}[tools: {{ tools|length }}]{% endif %}"
+        "{% if documents is none %}[no documents]{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}<|im_start|>assistant\n"))
+    text = reference.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert text.startswith("[no documents]<|im_start|>system\n")
+    assert ours.render_chat(MESSAGES) == text
+    assert ours.encode_chat(MESSAGES) == _chat_ids(reference, MESSAGES)
+
+
 def test_split_special_tokens_of_tokenizer_config(tmp_path):
     """`"split_special_tokens": true` in tokenizer_config.json: transformers encodes the
     special tokens written in a prompt as text; xrec read them as the special tokens."""

@@ -16,7 +16,8 @@ it is), transformers' `tojson` filter (it keeps non-ASCII text unless
 also sees the special tokens that `tokenizer_config.json` names (`bos_token`,
 `eos_token`, `unk_token`, `sep_token`, `pad_token`, `cls_token`, `mask_token`),
 as Hugging Face's `special_tokens_map` passes them: those set, as strings; one
-that is null or absent is undefined there (renders as "", never "None").
+that is null or absent is undefined there (renders as "", never "None"); and
+`tools` and `documents` as None (xrec takes neither), as transformers passes them.
 
 Truncation and padding: a `tokenizer.json` may be saved with either on (its
 "truncation" / "padding" keys). Hugging Face's tokenizer call turns both off
@@ -350,8 +351,11 @@ class PromptTokenizer:
                                   f"{self._template_source}); send `prompt` or `token_ids`")
         checked = _check_messages(messages)
         try:
-            return self._template.render(messages=checked, add_generation_prompt=True,
-                                         enable_thinking=False, **self._special_tokens)
+            # `tools` and `documents` are None, not undefined, as transformers passes them:
+            # `{% if tools is not none %}` is false
+            return self._template.render(messages=checked, tools=None, documents=None,
+                                         add_generation_prompt=True, enable_thinking=False,
+                                         **self._special_tokens)
         except Exception as exc:  # raise_exception, undefined names, type errors in the template
             raise InvalidArgument(f"messages: the chat template refused them: {exc}") from exc
 
