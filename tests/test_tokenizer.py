@@ -255,6 +255,27 @@ def test_template_sees_tools_and_documents_as_none(tmp_path):
     assert ours.encode_chat(MESSAGES) == _chat_ids(reference, MESSAGES)
 
 
+def test_reasoning_reaches_the_template_under_each_name(tmp_path):
+    """transformers passes a message's reasoning (`reasoning_content`, `thinking` or
+    `reasoning`, as OpenAI-style clients send it back) as `reasoning_content` and `thinking`:
+    Qwen3's template writes it into the assistant turn's think block. xrec passed the keys as
+    sent, so the reasoning of a message that named it `reasoning` was left out."""
+    ours, reference = _both_tokenizers(tmp_path, chat_template=(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{% if m.reasoning_content is defined %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+        "{% if m.thinking is defined %}[{{ m.thinking }}]{% endif %}{{ m.content }}|"
+        "{{ m|tojson }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"))
+    messages = [{"role": "user", "content": "<s_a_1>"},
+                {"role": "assistant", "content": "<s_a_2>", "reasoning": "liked <s_a_1>"},
+                {"role": "user", "content": "more"},
+                {"role": "assistant", "content": "x", "thinking": "t", "reasoning_content": "r",
+                 "reasoning": None}]
+    text = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert "<think>liked <s_a_1></think>[liked <s_a_1>]<s_a_2>" in text
+    assert ours.render_chat(messages) == text
+    assert ours.encode_chat(messages) == _chat_ids(reference, messages)
+
+
 def test_split_special_tokens_of_tokenizer_config(tmp_path):
     """`"split_special_tokens": true` in tokenizer_config.json: transformers encodes the
     special tokens written in a prompt as text; xrec read them as the special tokens."""

@@ -72,6 +72,9 @@ KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Split", "Metaspace", "Digits", "Punctuat
 # normalizers that leave ASCII text as it is (others are run to measure the text)
 ASCII_KEEPING_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "StripAccents",
                              "Sequence"}
+# the keys a message's reasoning may come under, in transformers' order of preference; the
+# template sees it as `reasoning_content` (Qwen3's) and as `thinking` (gpt-oss's)
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 # the named special tokens a chat template sees (Hugging Face's SPECIAL_TOKENS_ATTRIBUTES)
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                       "cls_token", "mask_token")
@@ -212,7 +215,8 @@ def _message_content(content: Any, index: int) -> str:
 def _check_messages(messages: Any) -> list[dict[str, Any]]:
     """The messages as the template sees them: each a copy whose null keys are left out (as
     transformers does: `"name": null` is undefined in the template, not "None"), its content
-    text."""
+    text, its reasoning (`reasoning_content`, `thinking` or `reasoning`, as clients name it)
+    under `reasoning_content` and `thinking` too (as transformers passes it)."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidArgument(f"messages: got {messages!r:.80}, expected a non-empty list of "
                               f"{{\"role\": str, \"content\": str}} objects")
@@ -222,8 +226,12 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
             raise InvalidArgument(f"messages: [{index}]: got {message!r:.80}, expected a "
                                   f"{{\"role\": str, \"content\": str}} object")
         content = _message_content(message.get("content"), index)
-        checked.append({**{key: value for key, value in message.items() if value is not None},
-                        "content": content})
+        message = {**{key: value for key, value in message.items() if value is not None},
+                   "content": content}
+        reasoning = next((message[key] for key in REASONING_KEYS if key in message), None)
+        if reasoning is not None:   # as transformers' `_alias_reasoning_fields`
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        checked.append(message)
     return checked
 
 
