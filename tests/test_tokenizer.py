@@ -155,6 +155,22 @@ def test_truncation_and_padding_of_tokenizer_json_are_off(tmp_path):
     assert ours.max_token_chars == PromptTokenizer.from_model_dir(tmp_path / "plain").max_token_chars
 
 
+def test_bpe_dropout_of_tokenizer_json_is_off(tmp_path):
+    """A tokenizer.json saved with BPE dropout: transformers' Qwen2Tokenizer builds its BPE
+    without it; xrec skipped merges at random, a different split of a prompt each time (at
+    dropout 1.0, always: every byte its own token)."""
+    transformers = pytest.importorskip("transformers")
+    write_sid_tokenizer(tmp_path, SMALL)
+    tokenizer = build_sid_tokenizer(SMALL)
+    tokenizer.model.dropout = 1.0
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    ours = PromptTokenizer.from_model_dir(tmp_path)
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    for prompt in PROMPTS + [m["content"] for m in MESSAGES]:
+        assert ours.encode(prompt) == reference(prompt)["input_ids"], prompt
+    assert ours.encode_chat(MESSAGES) == _chat_ids(reference, MESSAGES)
+
+
 def _both_tokenizers(tmp_path, **config_changes):
     """xrec's and Hugging Face's tokenizer of a sid tokenizer whose tokenizer_config.json
     has `config_changes` (a chat template, a flag) applied: the oracle and the code under test

@@ -253,6 +253,10 @@ class PromptTokenizer:
             tokenizer.no_truncation()
         if tokenizer.padding is not None:
             tokenizer.no_padding()
+        # BPE dropout saved in tokenizer.json skips merges at random, a different split of the
+        # same prompt each time; transformers' Qwen2Tokenizer builds its BPE without it
+        if getattr(tokenizer.model, "dropout", None):
+            tokenizer.model.dropout = None
         self._tokenizer = tokenizer  # a tokenizers.Tokenizer
         # None is left out: undefined in the template, as in Hugging Face's (not "None")
         self._special_tokens = {key: value for key, value in (special_tokens or {}).items()
