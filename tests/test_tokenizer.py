@@ -171,6 +171,22 @@ def test_bpe_dropout_of_tokenizer_json_is_off(tmp_path):
     assert ours.encode_chat(MESSAGES) == _chat_ids(reference, MESSAGES)
 
 
+def test_min_num_tokens_counts_an_added_token_normalized(tmp_path):
+    """An added token stands for its content normalized: under NFKC "\ufdfa" is 18 characters.
+    The bound took the longest token string (20 characters here) as the most one token
+    covers, so 50 such tokens (1,800 normalized characters) were said to need 90."""
+    from tokenizers import AddedToken, normalizers
+
+    tokenizer = build_sid_tokenizer(SMALL)
+    tokenizer.normalizer = normalizers.NFKC()
+    tokenizer.add_tokens([AddedToken("\ufdfa\ufdfa", normalized=True)])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    ours = PromptTokenizer.from_model_dir(tmp_path)
+    text = "\ufdfa" * 100
+    assert ours.encode(text) == [SMALL.num_tokens] * 50
+    assert ours.min_num_tokens(text) <= 50
+
+
 def _both_tokenizers(tmp_path, **config_changes):
     """xrec's and Hugging Face's tokenizer of a sid tokenizer whose tokenizer_config.json
     has `config_changes` (a chat template, a flag) applied: the oracle and the code under test

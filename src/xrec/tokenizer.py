@@ -43,13 +43,15 @@ Long prompts: `min_num_tokens(text)` bounds the token count from below without t
 BPE work (about 0.7 s for 1 MB of text), so that the server refuses a prompt that
 cannot fit before it encodes it: no token covers more characters of the normalized
 text than the longest token string has (a byte-level token's characters are bytes,
-at least as many as the characters they encode). The bound holds when the pipeline
+at least as many as the characters they encode; an added token's string is counted
+normalized, as it is matched). The bound holds when the pipeline
 drops no character and fuses no run of unknown characters into one token, which
 is checked once at load (`max_token_chars` is None otherwise).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from datetime import datetime
@@ -184,7 +186,11 @@ def _max_token_chars(tokenizer: Any) -> int | None:
     pre = _state(tokenizer.pre_tokenizer)
     if not _types(pre) <= KEEPING_PRE_TOKENIZERS or "removed" in json.dumps(pre).lower():
         return None
-    return max(map(len, tokenizer.get_vocab(with_added_tokens=True)), default=0) or None
+    # an added token covers its content normalized (NFKC makes "\ufdfa" 18 characters)
+    normalize = tokenizer.normalizer.normalize_str if tokenizer.normalizer else str
+    added = (normalize(t.content) for t in tokenizer.get_added_tokens_decoder().values())
+    tokens = itertools.chain(tokenizer.get_vocab(with_added_tokens=True), added)
+    return max(map(len, tokens), default=0) or None
 
 
 def _special_token(config: dict[str, Any], key: str) -> str | None:
