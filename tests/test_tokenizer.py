@@ -308,6 +308,26 @@ def test_reasoning_reaches_the_template_under_each_name(tmp_path):
     assert ours.encode_chat(messages) == _chat_ids(reference, messages)
 
 
+def test_a_template_that_loops_over_content_parts_gets_them(tmp_path):
+    """A template written for OpenAI content parts (`{% for part in message['content'] %}`,
+    after `{% set loop_messages = messages %}`) is given them as they are, by transformers and
+    vLLM; xrec joined their texts into one string, whose characters the loop then walked:
+    the user's text was left out of the prompt."""
+    ours, reference = _both_tokenizers(tmp_path, chat_template=(
+        "{% set loop_messages = messages %}{% for message in loop_messages %}"
+        "<|im_start|>{{ message.role }}\n{% if message['content'] is string %}"
+        "{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+        "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+        "<|im_end|>\n{% endfor %}<|im_start|>assistant\n"))
+    messages = [{"role": "system", "content": "Recommend."},
+                {"role": "user", "content": [{"type": "text", "text": "I liked <s_a_1>"},
+                                             {"type": "text", "text": " and <s_a_2>"}]}]
+    text = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert "<|im_start|>user\nI liked <s_a_1> and <s_a_2><|im_end|>" in text
+    assert ours.render_chat(messages) == text
+    assert ours.encode_chat(messages) == _chat_ids(reference, messages)
+
+
 def test_split_special_tokens_of_tokenizer_config(tmp_path):
     """`"split_special_tokens": true` in tokenizer_config.json: transformers encodes the
     special tokens written in a prompt as text; xrec read them as the special tokens."""

@@ -200,28 +200,64 @@ def _special_token(config: dict[str, Any], key: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _message_content(content: Any, index: int) -> str:
-    """A message's text: a string, or OpenAI text parts joined with newlines (as vLLM does)."""
+def _loops_over_content(template_ast: Any) -> bool:
+    """Whether a template loops over a message's content (`{% for part in m['content'] %}`,
+    `m` a loop variable over `messages` or over a name set from it): it reads OpenAI parts
+    (vLLM's "openai" content format, detected as vLLM detects it); else it reads text."""
+    from jinja2 import nodes
+
+    def base(node):   # through filters, tests and slices: `messages[1:]|reverse` is `messages`
+        while isinstance(node, (nodes.Filter, nodes.Test)) or (
+                isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)):
+            node = node.node
+        return node
+
+    def is_one_of(node, names):
+        node = base(node)
+        return isinstance(node, nodes.Name) and node.name in names
+
+    lists, assigns = {"messages"}, list(template_ast.find_all(nodes.Assign))
+    while more := {a.target.name for a in assigns if isinstance(a.target, nodes.Name)
+                   and is_one_of(a.node, lists)} - lists:   # `{% set loop_messages = ... %}`
+        lists |= more
+    loops = list(template_ast.find_all(nodes.For))
+    items = {loop.target.name for loop in loops
+             if isinstance(loop.target, nodes.Name) and is_one_of(loop.iter, lists)}
+
+    def is_content(node):   # `item.content` or `item['content']`
+        node = base(node)
+        if isinstance(node, nodes.Getattr):
+            key = node.attr
+        elif isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const):
+            key = node.arg.value
+        else:
+            return False
+        return key == "content" and is_one_of(node.node, items)
+
+    return any(is_content(loop.iter) for loop in loops)
+
+
+def _message_content(content: Any, index: int, is_parts_kept: bool) -> str | list:
+    """A message's content: a string, or OpenAI text parts, as they are for a template that
+    loops over them (`is_parts_kept`), else their texts joined with newlines (as vLLM does)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and content:
-        texts = []
         for part_index, part in enumerate(content):
             if (not isinstance(part, dict) or part.get("type") != "text"
                     or not isinstance(part.get("text"), str)):
                 raise InvalidArgument(f"messages: [{index}].content[{part_index}]: got "
                                       f"{part!r:.80}, expected "
                                       f"{{\"type\": \"text\", \"text\": str}}")
-            texts.append(part["text"])
-        return "\n".join(texts)
+        return list(content) if is_parts_kept else "\n".join(part["text"] for part in content)
     raise InvalidArgument(f"messages: [{index}].content: got {content!r:.80}, expected a string "
                           f"or a non-empty list of {{\"type\": \"text\", \"text\": str}} parts")
 
 
-def _check_messages(messages: Any) -> list[dict[str, Any]]:
+def _check_messages(messages: Any, is_parts_kept: bool) -> list[dict[str, Any]]:
     """The messages as the template sees them: each a copy whose null keys are left out (as
     transformers does: `"name": null` is undefined in the template, not "None"), its content
-    text, its reasoning (`reasoning_content`, `thinking` or `reasoning`, as clients name it)
+    text or parts (`_message_content`), its reasoning (`reasoning_content`, `thinking` or `reasoning`, as clients name it)
     under `reasoning_content` and `thinking` too (as transformers passes it)."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidArgument(f"messages: got {messages!r:.80}, expected a non-empty list of "
@@ -231,7 +267,7 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidArgument(f"messages: [{index}]: got {message!r:.80}, expected a "
                                   f"{{\"role\": str, \"content\": str}} object")
-        content = _message_content(message.get("content"), index)
+        content = _message_content(message.get("content"), index, is_parts_kept)
         message = {**{key: value for key, value in message.items() if value is not None},
                    "content": content}
         reasoning = next((message[key] for key in REASONING_KEYS if key in message), None)
@@ -269,14 +305,17 @@ class PromptTokenizer:
                                 if value is not None}
         self._template_source = template_source  # where it came from, or where xrec looked
         self._template = None
+        self._is_parts_kept = False   # the template loops over OpenAI content parts
         self.max_token_chars = _max_token_chars(tokenizer)   # None: no bound (min_num_tokens)
         self._is_ascii_kept = _types(_state(tokenizer.normalizer)) <= ASCII_KEEPING_NORMALIZERS
         if chat_template:
             try:
-                self._template = _template_environment().from_string(chat_template)
+                environment = _template_environment()
+                self._template = environment.from_string(chat_template)
             except Exception as exc:  # a jinja2 syntax error: refuse the directory at load
                 raise ValueError(f"{template_source}: the chat template does not compile "
                                  f"({exc})") from exc
+            self._is_parts_kept = _loops_over_content(environment.parse(chat_template))
 
     @classmethod
     def from_model_dir(cls, model_dir: str | os.PathLike) -> PromptTokenizer | None:
@@ -367,7 +406,7 @@ class PromptTokenizer:
         if self._template is None:
             raise InvalidArgument(f"messages: this model has no chat template (xrec looks for "
                                   f"{self._template_source}); send `prompt` or `token_ids`")
-        checked = _check_messages(messages)
+        checked = _check_messages(messages, self._is_parts_kept)
         try:
             # `tools` and `documents` are None, not undefined, as transformers passes them:
             # `{% if tools is not none %}` is false
