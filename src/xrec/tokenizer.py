@@ -44,9 +44,9 @@ BPE work (about 0.7 s for 1 MB of text), so that the server refuses a prompt tha
 cannot fit before it encodes it: no token covers more characters of the normalized
 text than the longest token string has (a byte-level token's characters are bytes,
 at least as many as the characters they encode; an added token's string is counted
-normalized, as it is matched). The bound holds when the pipeline
-drops no character and fuses no run of unknown characters into one token, which
-is checked once at load (`max_token_chars` is None otherwise).
+normalized, as it is matched). The bound holds when the pipeline drops no character
+and fuses no run of unknown characters into one token, which is checked once at load
+(`max_token_chars` is None otherwise).
 """
 
 from __future__ import annotations
@@ -257,8 +257,9 @@ def _message_content(content: Any, index: int, is_parts_kept: bool) -> str | lis
 def _check_messages(messages: Any, is_parts_kept: bool) -> list[dict[str, Any]]:
     """The messages as the template sees them: each a copy whose null keys are left out (as
     transformers does: `"name": null` is undefined in the template, not "None"), its content
-    text or parts (`_message_content`), its reasoning (`reasoning_content`, `thinking` or `reasoning`, as clients name it)
-    under `reasoning_content` and `thinking` too (as transformers passes it)."""
+    text or parts (`_message_content`), its reasoning (`reasoning_content`, `thinking` or
+    `reasoning`, as clients name it) under `reasoning_content` and `thinking` too (as
+    transformers passes it)."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidArgument(f"messages: got {messages!r:.80}, expected a non-empty list of "
                               f"{{\"role\": str, \"content\": str}} objects")
