@@ -228,6 +228,35 @@ def test_template_sees_the_special_tokens_as_transformers_does(tmp_path):
     assert ours.encode_chat(MESSAGES) == _chat_ids(reference, MESSAGES)
 
 
+def test_template_sees_the_special_tokens_of_special_tokens_map_json(tmp_path):
+    """A directory saved by transformers 4.33 or older names its special tokens in
+    special_tokens_map.json, its tokenizer_config.json without "added_tokens_decoder";
+    transformers reads the map (over the config), xrec did not: `{{ bos_token }}` wrote
+    nothing. A config with "added_tokens_decoder" is read alone, by both."""
+    transformers = pytest.importorskip("transformers")
+    _both_tokenizers(tmp_path, unk_token=None, chat_template=(
+        "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+        "{{ eos_token }}\n{% endfor %}<|im_start|>assistant\n"))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": {"content": "<|endoftext|>", "lstrip": False, "normalized": False,
+                       "rstrip": False, "single_word": False}, "eos_token": "<|endoftext|>"}))
+    ours = PromptTokenizer.from_model_dir(tmp_path)
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    text = reference.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert text.startswith("<|endoftext|><|im_start|>system\n") and "<|im_end|>" not in text
+    assert ours.render_chat(MESSAGES) == text
+    assert ours.encode_chat(MESSAGES) == _chat_ids(reference, MESSAGES)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"] = {str(SMALL.first_special_id + i): {
+        "content": token, "lstrip": False, "normalized": False, "rstrip": False,
+        "single_word": False, "special": True} for i, token in enumerate(QWEN3_SPECIAL_TOKENS)}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    text = reference.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert text.startswith("<|im_start|>system\n") and "<|im_end|>" in text
+    assert PromptTokenizer.from_model_dir(tmp_path).render_chat(MESSAGES) == text
+
+
 def test_template_with_generation_blocks(tmp_path):
     """`{% generation %}` (Hugging Face's assistant-mask block, in templates written for
     training) made the directory fail to load: "unknown tag 'generation'"."""

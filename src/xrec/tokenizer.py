@@ -14,7 +14,8 @@ it is), transformers' `tojson` filter (it keeps non-ASCII text unless
 `ensure_ascii=true`), and the `raise_exception(message)` and
 `strftime_now(format)` globals. The template
 also sees the special tokens that `tokenizer_config.json` names (`bos_token`,
-`eos_token`, `unk_token`, `sep_token`, `pad_token`, `cls_token`, `mask_token`),
+`eos_token`, `unk_token`, `sep_token`, `pad_token`, `cls_token`, `mask_token`; over
+them `special_tokens_map.json`'s, where the config has no `added_tokens_decoder`),
 as Hugging Face's `special_tokens_map` passes them: those set, as strings; one
 that is null or absent is undefined there (renders as "", never "None"); and
 `tools` and `documents` as None (xrec takes neither), as transformers passes them.
@@ -67,6 +68,7 @@ __all__ = ["PromptTokenizer"]
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
 TEMPLATE_FILE = "chat_template.jinja"
 # pre-tokenizers that keep every character (Split and Punctuation unless "removed")
 KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Split", "Metaspace", "Digits", "Punctuation",
@@ -127,16 +129,27 @@ def _read_text(path: Path) -> str:
 
 
 def _read_config(model_dir: Path) -> dict[str, Any]:
-    path = model_dir / CONFIG_FILE
+    """tokenizer_config.json, its named special tokens from special_tokens_map.json when it
+    has no "added_tokens_decoder" (as transformers 4.33 and older saved a directory):
+    transformers reads them so, the map's winning over the config's."""
+    config = _read_json_object(model_dir / CONFIG_FILE)
+    if "added_tokens_decoder" in config:
+        return config
+    legacy = _read_json_object(model_dir / SPECIAL_TOKENS_MAP_FILE)
+    return {**config, **{key: legacy[key] for key in SPECIAL_TOKEN_KEYS if key in legacy}}
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON object file, {} when there is none."""
     if not path.is_file():
         return {}
     try:
-        config = json.loads(_read_text(path))
+        data = json.loads(_read_text(path))
     except (OSError, ValueError, RecursionError) as exc:
         raise ValueError(f"{path}: cannot read it as JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
-    return config
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _find_template(model_dir: Path, config: dict[str, Any]) -> tuple[str | None, str]:
