@@ -228,6 +228,17 @@ def test_template_sees_the_special_tokens_as_transformers_does(tmp_path):
     assert ours.encode_chat(MESSAGES) == _chat_ids(reference, MESSAGES)
 
 
+
+def test_the_written_sid_tokenizer_shows_templates_the_special_tokens_transformers_does(tmp_path):
+    """`write_sid_tokenizer` left `unk_token` out of tokenizer_config.json, so transformers'
+    Qwen2Tokenizer gave a template its class default `<|endoftext|>` and xrec nothing."""
+    template = ("[{{ bos_token }}|{{ unk_token }}|{{ pad_token }}|{{ eos_token }}]"
+                "{% for m in messages %}{{ m.content }}{% endfor %}")
+    ours, reference = _both_tokenizers(tmp_path, chat_template=template)
+    text = reference.apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                         enable_thinking=False, tokenize=False)
+    assert ours.render_chat(MESSAGES) == text
+
 def test_template_sees_the_special_tokens_of_special_tokens_map_json(tmp_path):
     """A directory saved by transformers 4.33 or older names its special tokens in
     special_tokens_map.json, its tokenizer_config.json without "added_tokens_decoder";

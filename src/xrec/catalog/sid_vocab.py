@@ -224,9 +224,11 @@ def write_sid_tokenizer(out_dir: str | os.PathLike, layout: SidLayout,
     config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
     if not isinstance(config, dict):
         raise ValueError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
+    # unk_token null: left out, transformers' Qwen2Tokenizer shows its templates its class
+    # default (<|endoftext|>), which xrec's template environment does not know
     config.update(tokenizer_class="Qwen2Tokenizer", chat_template=CHATML_TEMPLATE,
-                  bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                  model_max_length=model_max_length, add_prefix_space=False)
+                  bos_token=None, unk_token=None, eos_token="<|im_end|>",
+                  pad_token="<|endoftext|>", model_max_length=model_max_length, add_prefix_space=False)
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
                            encoding="utf-8")
 
