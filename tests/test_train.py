@@ -245,6 +245,41 @@ def test_killed_run_resumes_where_it_stopped(split, sid_dir, tmp_path, options):
     assert not (tmp_path / "killed.partial").exists()
 
 
+
+def test_ctrl_c_is_one_line_exit_130_and_the_same_command_resumes(sid_dir, tmp_path):
+    """Ctrl-C in `xrec train` printed a traceback; now one line that says how to go on, exit
+    130, and the same command again resumes (after the epoch state.json names)."""
+    walk = walk_interactions()
+    data = tmp_path / "walk.csv"
+    data.write_text("user_id,item_id,timestamp\n" + "".join(
+        f"{walk.user_ids[u]},{walk.item_ids[i]},{t:.0f}\n"
+        for u, i, t in zip(walk.users, walk.items, walk.timestamps)))
+    out = tmp_path / "model"
+    command = [sys.executable, "-m", "xrec", "train", "--data", str(data), "--sid", str(sid_dir),
+               "--out", str(out), "--epochs", "3", "--patience", "20", "--threads", "1",
+               "--no-progress"] + [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]
+    child = subprocess.Popen(   # SIGINT at its default even where the test runner ignores it
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    state = tmp_path / "model.partial" / "state.json"
+    try:
+        while child.poll() is None:
+            if state.is_file() and json.loads(state.read_text())["epoch"] >= 1:
+                child.send_signal(signal.SIGINT)
+                break
+            time.sleep(0.02)
+        _, stderr = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 130, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == (
+        "xrec train: interrupted; the same command again resumes after the last epoch it "
+        "finished")
+    assert not out.exists() and 1 <= json.loads(state.read_text())["epoch"] < 3
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming" in resumed.stdout and (out / "model.safetensors").is_file()
+
 class _Killed(Exception):
     """Stands for a kill at a chosen point of a run."""
 

@@ -31,6 +31,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"xrec {args.command}: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:   # Ctrl-C: one line, not a traceback (batch and train say more)
+        print(f"xrec {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 def build_parser() -> argparse.ArgumentParser:

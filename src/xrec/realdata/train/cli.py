@@ -9,6 +9,7 @@ Heavy imports (torch, transformers, the data loaders) happen inside the command.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -103,8 +104,13 @@ def run_train(args: argparse.Namespace) -> int:
     split = leave_one_out(load_dataset(args.data))
     sid = Path(args.sid) if args.sid else run_dir(args.data) / "sid"
     out = Path(args.out) if args.out else run_dir(args.data) / options.family
-    report = train(split, sid, out, options, progress=not args.no_progress,
-                   threads=args.threads)
+    try:
+        report = train(split, sid, out, options, progress=not args.no_progress,
+                       threads=args.threads)
+    except KeyboardInterrupt:
+        print("xrec train: interrupted; the same command again resumes after the last epoch "
+              "it finished", file=sys.stderr)
+        return 130
     best = report["best"]
     chosen = ("the last epoch (--final: no validation)" if best["hr@10"] is None else
               f"best validation HR@10 {best['hr@10']:.4f} at epoch {best['epoch']}")
