@@ -296,6 +296,31 @@ def test_written_dir_loads_and_tokenizer_agrees(tmp_path, svd_embeddings):
     assert report["embeddings"] == "svd"
 
 
+@pytest.mark.parametrize("edit, said", [
+    ({"codebook_size": 4}, r"item index 0 has token t0 = 286 in its catalog, outside level 0's "
+                           r"itemic tokens \[282, 286\) of sid_report.json's layout \(256 base "
+                           r"tokens, 4 codes a level; 5 items are outside\)"),
+    ({"num_base_tokens": 300}, r"item index 0 has token t0 = 286 in its catalog, outside level "
+                               r"0's itemic tokens \[326, 334\) .* 5 items are outside")])
+def test_sid_vocabulary_refuses_a_report_whose_layout_is_not_the_catalogs(tmp_path, edit, said):
+    """A sid_report.json naming another codebook size or base vocabulary than its catalog's
+    tokens was read as it said: 300 base tokens made BOS id 300, a padding id of the real
+    vocabulary, and training went on with it; the catalog's tokens are checked against it."""
+    from xrec.realdata.sequences import SidVocabulary
+
+    item_ids = tuple(f"i{i}" for i in range(5))
+    data = Interactions("five", ("u0",), item_ids, np.zeros(5, np.int32),
+                        np.arange(5, dtype=np.int32), np.arange(5, dtype=np.int64))
+    result = build_sids(np.eye(5, 4, dtype=np.float32), codebook_size=8)  # 5 distinct rows
+    out = write_sid_dir(tmp_path / "sid", data, result)
+    np.testing.assert_array_equal(SidVocabulary.read(out, item_ids).item_tokens,
+                                  result.codes + [282, 290, 298])   # 256 + 26 specials
+    report = json.loads((out / "sid_report.json").read_text())
+    (out / "sid_report.json").write_text(json.dumps({**report, **edit}))
+    with pytest.raises(DataError, match=said + ".*not from one build"):
+        SidVocabulary.read(out, item_ids)
+
+
 @pytest.mark.filterwarnings("ignore:Number of distinct clusters")  # level 2's near-equal rows
 def test_balanced_caps_clusters_when_few_points_are_distinct():
     """With at most K distinct rows k-means was skipped for exact codes, and the cap with

@@ -57,7 +57,9 @@ class SidVocabulary:
                             f"(\"item_catalog\"): an incomplete semantic-ID directory; run "
                             f"`xrec sid build` again")
         rows = _check_items(sid_dir, catalog, item_ids)
-        return cls(sid_dir, layout, catalog.triples[rows].astype(np.int64))
+        item_tokens = catalog.triples[rows].astype(np.int64)  # [n, 3]
+        _check_tokens(sid_dir, layout, item_tokens)
+        return cls(sid_dir, layout, item_tokens)
 
     @property
     def bos_id(self) -> int:
@@ -105,6 +107,26 @@ def _check_items(sid_dir: Path, catalog: ItemCatalog, item_ids: Sequence[str]) -
                         f"its rows in another order (item indices follow the order of first "
                         f"appearance); run `xrec sid build` on this data")
     return rows
+
+
+def _check_tokens(sid_dir: Path, layout: SidLayout, item_tokens: np.ndarray) -> None:
+    """Every item's level-l token is one of the level-l itemic tokens of the layout that
+    `sid_report.json` records: a report whose codebook size or base vocabulary is not the
+    catalog's (edited, or beside another build's catalog) numbered BOS and the vocabulary
+    otherwise than the catalog, and training went on without a word."""
+    starts = np.array([layout.level_start(level) for level in range(layout.num_levels)])  # [3]
+    codes = item_tokens - starts  # [n, 3]
+    bad = np.argwhere((codes < 0) | (codes >= layout.codebook_size))  # [m, 2]
+    if bad.size:
+        index, level = (int(v) for v in bad[0])
+        start = int(starts[level])
+        raise DataError(f"{sid_dir}: item index {index} has token t{level} = "
+                        f"{int(item_tokens[index, level])} in its catalog, outside level "
+                        f"{level}'s itemic tokens [{start}, {start + layout.codebook_size}) "
+                        f"of sid_report.json's layout ({layout.num_base_tokens} base tokens, "
+                        f"{layout.codebook_size} codes a level; {len(np.unique(bad[:, 0]))} "
+                        f"items are outside): the catalog and sid_report.json are not from "
+                        f"one build; run `xrec sid build` again")
 
 
 def prompts(vocab: SidVocabulary, histories, max_items: int) -> list[list[int]]:
