@@ -7,8 +7,9 @@ Collision rule (`collisions`):
   (c1, c2) group the items get distinct third codes by an optimal assignment of the items to
   the K third-level centroids, minimising the total squared distance from each item's level-3
   residual to its centroid (scipy's linear_sum_assignment; TIGER's extra disambiguation token
-  folded into the last level). An item alone in its group keeps its nearest centroid. A group
-  larger than K cannot be made unique: `DataError`.
+  folded into the last level). An item alone in its group keeps its k-means code (its
+  nearest centroid; with `balanced`, its capped assignment, and the assignment of a larger
+  group ignores the cap). A group larger than K cannot be made unique: `DataError`.
 - "share": the raw k-means codes are kept and several items may share one ID (OpenOneRec);
   the catalog lists every item of a triple.
 """
