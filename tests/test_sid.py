@@ -344,6 +344,21 @@ def test_codes_do_not_depend_on_the_embeddings_scale(svd_embeddings, scale):
     np.testing.assert_array_equal(scaled, expected)
 
 
+@pytest.mark.parametrize("scale", [2.0 ** 140, 2.0 ** -170])
+def test_an_embeddings_file_past_float32s_range_gives_the_same_codes(tmp_path, svd_embeddings,
+                                                                    scale):
+    """A float64 `.npy` file was cast to float32 before k-means could scale it: 2**140
+    (~1e42) became inf and was refused as 'a NaN or infinite value', and 2**-170 (~7e-52)
+    became all zeros, every item in one cluster."""
+    expected = build_sids(svd_embeddings, codebook_size=8, collisions="share").codes
+    file = tmp_path / "emb.npy"
+    np.save(file, svd_embeddings.astype(np.float64) * scale)
+    loaded = load_embeddings(file, len(svd_embeddings))
+    assert loaded.dtype == np.float32 and np.isfinite(loaded).all()
+    np.testing.assert_array_equal(build_sids(loaded, codebook_size=8, collisions="share").codes,
+                                  expected)
+
+
 def test_existing_dir_needs_replace(tmp_path):
     result = build_sids(np.eye(4, dtype=np.float32), codebook_size=4)
     data = Interactions("four", ("u",), ("a", "b", "c", "d"), np.zeros(4, np.int32),

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from xrec.realdata.data.interactions import DataError, Split
+from xrec.realdata.sid.kmeans import in_float32_range
 
 if TYPE_CHECKING:
     from xrec.realdata.train.sasrec import SASRecConfig
@@ -187,7 +188,8 @@ def text_embeddings(texts: list[str], model_dir: str | os.PathLike | None = None
 
 
 def load_embeddings(path: str | os.PathLike, num_items: int) -> np.ndarray:
-    """float32 [num_items, d] from a `.npy` file holding one finite row per item index."""
+    """float32 [num_items, d] from a `.npy` file holding one finite row per item index
+    (scaled by a power of two where its values are out of float32's range)."""
     path = Path(path)
     try:
         array = np.load(path, allow_pickle=False)
@@ -202,8 +204,9 @@ def load_embeddings(path: str | os.PathLike, num_items: int) -> np.ndarray:
     if array.shape[0] != num_items:
         raise DataError(f"embeddings file {path}: {array.shape[0]} rows, but the data has "
                         f"{num_items} items (one row per item index expected)")
-    array = array.astype(np.float32)
-    if not np.isfinite(array).all():
+    if not np.isfinite(array).all():   # before float32: 1e40 is finite, not infinite
         row = int(np.argwhere(~np.isfinite(array))[0, 0])
         raise DataError(f"embeddings file {path}: row {row} holds a NaN or infinite value")
-    return array
+    # k-means does not depend on the scale: a float64 file past float32's range (1e40, or
+    # 1e-50, which float32 made all zeros: one cluster) is scaled by a power of two first
+    return in_float32_range(array).astype(np.float32)

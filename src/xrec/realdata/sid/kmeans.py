@@ -88,7 +88,7 @@ def _balance(points: np.ndarray, centroids: np.ndarray) -> tuple[np.ndarray, np.
     return labels, centroids
 
 
-def _in_float32_range(points: np.ndarray) -> np.ndarray:
+def in_float32_range(points: np.ndarray) -> np.ndarray:
     """`points` scaled by a power of two when their largest magnitude is far from 1, where
     float32 squared distances would overflow (~1e19) or lose every digit to underflow, and
     every point would fall in one cluster. k-means does not depend on the scale, and a power
@@ -114,7 +114,7 @@ def residual_kmeans(embeddings: np.ndarray, levels: int = 3, codebook_size: int 
                          f"expected a non-empty 2-D numeric array [num_items, dim]")
     if not np.isfinite(points).all():
         raise ValueError("embeddings: NaN or infinite values")
-    residual = _in_float32_range(points).astype(np.float32)  # [n, d]
+    residual = in_float32_range(points).astype(np.float32)  # [n, d]
     codes, centroids, residuals = [], [], []
     for level in range(levels):
         labels, level_centroids = _cluster(residual, codebook_size, seed + level, balanced)
