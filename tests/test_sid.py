@@ -321,6 +321,24 @@ def test_sid_vocabulary_refuses_a_report_whose_layout_is_not_the_catalogs(tmp_pa
         SidVocabulary.read(out, item_ids)
 
 
+def test_sid_vocabulary_names_a_catalog_keyed_by_other_ids(tmp_path):
+    """A catalog of as many items as the data, keyed by other ids than the item indices (the
+    data's own numeric ids, as `xrec catalog import` writes them into a model directory),
+    was refused as 'its catalog has 5 items, the data has 5'."""
+    from xrec.realdata.sequences import SidVocabulary
+
+    item_ids = tuple(f"i{i}" for i in range(5))
+    data = Interactions("five", ("u0",), item_ids, np.zeros(5, np.int32),
+                        np.arange(5, dtype=np.int32), np.arange(5, dtype=np.int64))
+    out = write_sid_dir(tmp_path / "sid", data, build_sids(np.eye(5, 4), codebook_size=8))
+    catalog = ItemCatalog.read(out / "items.bin", sid_layout(8).vocab_size, extended=True)
+    ItemCatalog(catalog.item_ids + 1, catalog.triples, catalog.vocab_size, catalog.dids,
+                catalog.types).write(out / "items.bin")
+    with pytest.raises(DataError, match=r"item ids are not the item indices 0 \.\. 4 .* "
+                                        r"\(item index 0 is missing, 1 in all\)"):
+        SidVocabulary.read(out, item_ids)
+
+
 @pytest.mark.filterwarnings("ignore:Number of distinct clusters")  # level 2's near-equal rows
 def test_balanced_caps_clusters_when_few_points_are_distinct():
     """With at most K distinct rows k-means was skipped for exact codes, and the cap with

@@ -90,9 +90,15 @@ def _check_items(sid_dir: Path, catalog: ItemCatalog, item_ids: Sequence[str]) -
     and every item would silently get another item's semantic ID)."""
     num_items = len(item_ids)
     ids = catalog.item_ids
-    if len(ids) != num_items or not np.array_equal(np.sort(ids), np.arange(num_items)):
+    if len(ids) != num_items:
         raise DataError(f"{sid_dir}: its catalog has {len(ids)} items, the data has "
                         f"{num_items}: the IDs were built from other data")
+    missing = np.setdiff1d(np.arange(num_items), ids)
+    if missing.size:   # as many items, but not item indices 0 .. n - 1 (another catalog)
+        raise DataError(f"{sid_dir}: its catalog's item ids are not the item indices 0 .. "
+                        f"{num_items - 1} that `xrec sid build` writes (item index "
+                        f"{int(missing[0])} is missing, {missing.size} in all): not a catalog "
+                        f"of `xrec sid build`; run it again")
     if catalog.dids is None:
         raise DataError(f"{sid_dir}: its catalog has no item ids (not an extended catalog) to "
                         f"check against the data's; rebuild it with `xrec sid build`")
