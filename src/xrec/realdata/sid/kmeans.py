@@ -29,7 +29,8 @@ class ResidualCodes:
     """codes: int32 [n, levels], code of item i at level l; centroids[l]: float32 [k_l, d]
     with k_l <= codebook_size (k_l < codebook_size only when level l's input had fewer distinct
     points than that: then every distinct point is its own centroid and codes k_l .. K-1 are
-    unused); residuals[l]: float32 [n, d], the input of level l (residuals[0] = embeddings)."""
+    unused); residuals[l]: float32 [n, d], the input of level l (residuals[0] = the
+    embeddings, times a power of two where they are far from 1: `in_float32_range`)."""
 
     codes: np.ndarray
     centroids: tuple[np.ndarray, ...]
