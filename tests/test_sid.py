@@ -440,6 +440,11 @@ def test_build_sid_dir_from_file_and_svd(tmp_path):
     with pytest.raises(DataError, match="no item titles"):
         build_sid_dir(no_titles, tmp_path / "text", embeddings="text")
     assert not (tmp_path / "text").exists()
+    # a mistyped method was read as a file: "No such file or directory: 'SVD'"
+    with pytest.raises(DataError, match=r"got 'SVD', expected svd, sasrec, text or the path of"):
+        build_sid_dir(SPLIT, tmp_path / "typo", embeddings="SVD")
+    with pytest.raises(DataError, match=r"embeddings file missing\.npy: cannot read it"):
+        build_sid_dir(SPLIT, tmp_path / "typo", embeddings="missing.npy")
 
 
 def test_cli_sid_build(tmp_path, monkeypatch, capsys):

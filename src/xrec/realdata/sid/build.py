@@ -237,6 +237,10 @@ def build_sid_dir(split: Split, out_dir: str | os.PathLike, *, embeddings: str =
         source = {"embeddings": "text", "dim": int(vectors.shape[1]),
                   "text_model": embed.TEXT_MODEL}
     else:
+        if not Path(embeddings).exists() and Path(embeddings).suffix.lower() != ".npy":
+            # a mistyped method ("SVD") read as a missing file named neither
+            raise DataError(f"embeddings: got {embeddings!r}, expected svd, sasrec, text or "
+                            f"the path of a .npy file")
         vectors = embed.load_embeddings(embeddings, data.num_items)
         source = {"embeddings": "file", "dim": int(vectors.shape[1]),
                   "embeddings_file": str(Path(embeddings).resolve())}
