@@ -386,6 +386,19 @@ def test_existing_dir_needs_replace(tmp_path):
         write_sid_dir(out, data, result)
     write_sid_dir(out, data, result, replace=True)
     assert ItemCatalog.from_model_dir(out, sid_layout(4).vocab_size).num_items == 4
+    # replace takes the place of a sid directory only: given the run directory (the cached
+    # SASRec beside the sid) or a trained model's, --force deleted them with it
+    (out / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(DataError, match=r"replaces a semantic-ID directory .* only, and it "
+                                        r"holds model\.safetensors"):
+        write_sid_dir(out, data, result, replace=True)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(DataError, match="it is not a directory"):
+        build_sid_dir(SPLIT, tmp_path / "file", embeddings="svd", replace=True)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="it has no sid_report.json"):
+        build_sid_dir(SPLIT, tmp_path / "empty", embeddings="svd", replace=True)
+    assert (out / "model.safetensors").is_file() and (tmp_path / "file").is_file()
 
 
 def test_failed_write_leaves_no_directory(tmp_path, monkeypatch, svd_embeddings):

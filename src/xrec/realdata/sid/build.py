@@ -27,6 +27,7 @@ import numpy as np
 from xrec.catalog import ItemCatalog
 from xrec.catalog.formats import MAX_VOCAB_SIZE, NUM_LEVELS, write_text
 from xrec.realdata.data.interactions import DataError, Interactions, Split
+from xrec.realdata.sequences import SID_FILES
 from xrec.utils.files import atomic_directory
 from xrec.realdata.sid.kmeans import residual_kmeans
 from xrec.catalog.sid_vocab import SidLayout, write_sid_tokenizer
@@ -139,6 +140,24 @@ def _cell(text: str) -> str:
     return " ".join(text.split())  # one line, no tabs
 
 
+def check_out_dir(out_dir: Path, replace: bool) -> None:
+    """An existing `out_dir` is an error unless `replace`, which takes the place of a
+    semantic-ID directory only (its files and nothing else): `--force` given the run directory
+    or a trained model's deleted the cached SASRec or the model with it."""
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return
+    if not replace:
+        raise DataError(f"{out_dir} exists: choose another directory or replace it (--force)")
+    others = (sorted(p.name for p in out_dir.iterdir() if p.name not in SID_FILES)
+              if out_dir.is_dir() and not out_dir.is_symlink() else None)
+    if others is None or others or not (out_dir / "sid_report.json").is_file():
+        held = "it is not a directory" if others is None else (
+            f"it holds {', '.join(others[:3])}{', ...' if len(others) > 3 else ''}" if others
+            else "it has no sid_report.json")
+        raise DataError(f"{out_dir}: --force replaces a semantic-ID directory of `xrec sid "
+                        f"build` only, and {held}; choose another --out")
+
+
 def write_sid_dir(out_dir: str | os.PathLike, data: Interactions, result: SidResult,
                   layout: SidLayout | None = None, *, replace: bool = False,
                   info: dict | None = None) -> Path:
@@ -163,8 +182,7 @@ def write_sid_dir(out_dir: str | os.PathLike, data: Interactions, result: SidRes
         raise ValueError(f"result: IDs for {len(result.codes)} items, the data has "
                          f"{data.num_items}")
     out_dir = Path(out_dir)
-    if out_dir.exists() and not replace:
-        raise DataError(f"{out_dir} exists: choose another directory or replace it (--force)")
+    check_out_dir(out_dir, replace)
     starts = np.array([layout.level_start(level) for level in range(NUM_LEVELS)])  # [3]
     triples = (result.codes + starts).astype(np.int32)  # [n, 3] token ids
     item_indices = np.arange(data.num_items, dtype=np.int64)  # [n]
@@ -211,7 +229,8 @@ def build_sid_dir(split: Split, out_dir: str | os.PathLike, *, embeddings: str =
 
     data = split.data
     started = time.perf_counter()
-    sid_layout(codebook_size)    # a bad size or seed is refused before the embeddings train
+    check_out_dir(Path(out_dir), replace)   # these are refused before the embeddings train
+    sid_layout(codebook_size)
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
         raise ValueError(f"seed: got {seed!r}, expected an integer in [0, {MAX_SEED}]")
     if embeddings == "svd":

@@ -78,8 +78,6 @@ def run_sid_build(args: argparse.Namespace) -> int:
     from xrec.realdata.train.cli import run_dir
 
     out = Path(args.out) if args.out else run_dir(args.data) / "sid"   # where train looks
-    if out.exists() and not args.force:
-        raise ValueError(f"{out} exists: pass --force to replace it, or --out elsewhere")
     report = build_sid_dir(split, out, embeddings=args.embeddings, dim=args.dim,
                            codebook_size=args.codebook_size, collisions=args.collisions,
                            seed=args.seed, replace=args.force, progress=True,
