@@ -211,6 +211,38 @@ def test_recommend_serves_an_extended_catalog_file(tiny_model, home, tmp_path):
         "xrec recommend: error: --catalog-extended: says how to read --catalog FILE"), proc.stderr
 
 
+@pytest.mark.parametrize("flags, words", [
+    (["--top-n", "-2"], "--top-n: got -2"),
+    (["--token-ids", ""], "token_ids: empty input"),
+    (["--embedding", ""], "--embedding : No such file"),
+])
+def test_recommend_never_answers_a_request_it_was_not_given(tiny_model, home, flags, words):
+    """`--top-n -2` printed every row but the last two; an empty `--token-ids` or
+    `--embedding` was taken as none given and answered for the default ids 1,2,3."""
+    proc = xrec_cli("recommend", "--model", str(tiny_model), "--device", "cpu", "--json", *flags,
+                    home=home)
+    assert proc.returncode == 1 and proc.stdout == "", proc.stdout
+    assert len(proc.stderr.strip().splitlines()) == 1 and words in proc.stderr, proc.stderr
+
+
+def test_recommend_embedding_that_is_not_an_npy_file(tiny_model, home, tmp_path):
+    """np.load read an .npz archive as a mapping (refused as "elements of type <U1"), a
+    text file as a pickle ("If you trust the file ..."), and an empty file with an EOFError
+    traceback."""
+    import numpy as np
+
+    np.savez(tmp_path / "e.npz", a=np.zeros((2, 32), np.float32))
+    (tmp_path / "text.npy").write_text("0.5, 0.25\n")
+    (tmp_path / "empty.npy").write_bytes(b"")
+    for name in ("e.npz", "text.npy", "empty.npy"):
+        path = tmp_path / name
+        proc = xrec_cli("recommend", "--model", str(tiny_model), "--device", "cpu", "--embedding",
+                        str(path), home=home)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.startswith(f"xrec recommend: error: --embedding {path}: not a .npy "
+                                      "file (") and len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
 @pytest.fixture(scope="module")
 def sid_model(tmp_path_factory, home):
     out = tmp_path_factory.mktemp("models") / "qwen3"

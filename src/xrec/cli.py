@@ -7,11 +7,14 @@ import argparse
 import json
 import logging
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from xrec.config import MODEL_SIZES, EngineOptions
 from xrec.config.engine import add_catalog_flags, check_catalog_flags, parse_generation_prefix
 from xrec.demo import model_dir_or_demo
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -137,26 +140,27 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def _recommend(args: argparse.Namespace) -> int:
-    import numpy as np
-
     from xrec import Engine, RecRequest
     from xrec.errors import XrecError
 
     check_catalog_flags(args.catalog, args.catalog_extended)
+    if args.top_n < 0:   # a negative slice would print all rows but the last ones
+        raise ValueError(f"--top-n: got {args.top_n}, expected rows to print >= 0")
     model_dir = model_dir_or_demo(args.model)
     search = dict(beam_width=args.beam_width, normalize=args.normalize,
                   exclude_items=_int_list("--exclude-items", args.exclude_items),
                   item_types=None if args.item_types is None else
                   [t.strip() for t in args.item_types.split(",") if t.strip()],
                   exclude_history=args.exclude_history)
-    if args.embedding:
-        request = RecRequest(sparse_embedding=np.load(args.embedding), **search)
+    if args.embedding is not None:
+        request = RecRequest(sparse_embedding=_npy_array(args.embedding), **search)
     elif args.prompt is not None:
         request = RecRequest(prompt=args.prompt, **search)
     elif args.chat is not None:
         request = RecRequest(messages=[{"role": "user", "content": args.chat}], **search)
     else:
-        request = RecRequest(token_ids=_int_list("--token-ids", args.token_ids or "1,2,3"), **search)
+        given = "1,2,3" if args.token_ids is None else args.token_ids   # "" is no ids, refused
+        request = RecRequest(token_ids=_int_list("--token-ids", given), **search)
     with Engine.from_pretrained(model_dir, isolation="thread", catalog=args.catalog,
                                 catalog_extended=args.catalog_extended, device=args.device,
                                 generation_prefix=args.generation_prefix) as engine:
@@ -181,6 +185,20 @@ def _recommend(args: argparse.Namespace) -> int:
         sid = r.text or str(r.tokens)
         print(f"{rank:>4}  {sid:<20} {r.score:>9.4f}  {lps:<26} {ids}")
     return 0
+
+
+def _npy_array(path: str) -> np.ndarray:
+    """`--embedding`'s array, read as a .npy file (np.load also returns an .npz archive's
+    mapping, and unpickles any other file: "contains pickled data")."""
+    import numpy as np
+
+    try:
+        with open(path, "rb") as f:
+            return np.lib.format.read_array(f, allow_pickle=False)
+    except ValueError as e:   # the magic string, a short header, object arrays
+        raise ValueError(f"--embedding {path}: not a .npy file ({e})") from None
+    except OSError as e:
+        raise OSError(f"--embedding {path}: {e.strerror or e}") from None
 
 
 def _int_list(flag: str, text: str | None) -> list[int] | None:
