@@ -347,6 +347,21 @@ def test_serve_refuses_ray_flags_without_ray(home, tmp_path, flags, names):
         "with one engine); give --ray, or leave them out"]
 
 
+def test_serve_refuses_engine_options_before_it_listens(home, tmp_path):
+    """`xrec serve --max-concurrency 0` listened, answered /health 503 and only then stopped
+    on the load's refusal; on a busy port it blamed the port, not the option."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        proc = xrec_cli("serve", "--model", str(tmp_path / "none"), "--port",
+                        str(busy.getsockname()[1]), "--max-concurrency", "0", home=home)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "xrec serve: error: option max_concurrency: got 0, allowed: an integer in [1, 64]"]
+
+
 def _broken_copy(tiny_model: Path, out: Path, damage: str) -> Path:
     """A copy of the tiny model with its model.safetensors truncated or one weight NaN."""
     import shutil

@@ -223,12 +223,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check_serve_args(args: argparse.Namespace) -> None:
-    """What `xrec serve` checks before loading anything: the port, the flags --ray cannot
-    take (without --ray: the flags only --ray takes), and the --catalog file (a regular
-    file of at most --max-catalog-bytes: a FIFO would block the load, /dev/zero would never
-    end it; --catalog-extended only with it)."""
+    """What `xrec serve` checks before loading anything: the port, the engine options (else
+    the server listened, answered /health 503, then stopped when the load refused them),
+    the flags --ray cannot take (without --ray: the flags only --ray takes), and the
+    --catalog file (a regular file of at most --max-catalog-bytes: a FIFO would block the
+    load, /dev/zero would never end it; --catalog-extended only with it)."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port: got {args.port}, port must be 0–65535")
+    EngineOptions.from_kwargs(**EngineOptions.kwargs_from_cli(args))
     from xrec.scale.cli import check_serve_ray_args
     check_serve_ray_args(args)
     from xrec.server.admin import DEFAULT_MAX_CATALOG_BYTES
