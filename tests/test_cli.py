@@ -324,6 +324,18 @@ def test_make_model_bad_arguments(home, tmp_path):
     assert "items" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("seed, items", [("-1", "10"), ("-1", "0"), (str(1 << 64), "10")])
+def test_make_model_refuses_a_seed_torch_and_numpy_do_not_both_take(home, tmp_path, seed, items):
+    """`--seed -1` failed with NumPy's bare "expected non-negative integer" (and with
+    `--items 0`, no catalog drawn, wrote torch's wrapped seed 2**64 - 1); `--seed 2**64`
+    with torch's "Overflow when unpacking long long"."""
+    proc = xrec_cli("make-model", "--size", "tiny", "--out", str(tmp_path / "m"), "--seed", seed,
+                    "--items", items, home=home)
+    assert proc.returncode == 1 and not (tmp_path / "m").exists()
+    assert proc.stderr.strip().splitlines() == [
+        f"xrec make-model: error: seed: got {seed}, expected an integer in [0, 2**64 - 1]"]
+
+
 @pytest.mark.parametrize("port", ["70000", "-1", "65536"])
 def test_serve_refuses_a_port_outside_the_range(home, tmp_path, port):
     """`--port 70000` listened on 4464 (70000 mod 65536); `--port -1` blamed the host."""

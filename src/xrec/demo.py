@@ -33,7 +33,7 @@ def write_random_model(out_dir: str | os.PathLike, size: str, seed: int = 0, num
     from xrec.model.loader import save_model
     from xrec.model.random_init import random_state_dict
 
-    config = size_config(size, num_items, sizes)
+    config = size_config(size, num_items, sizes, seed)
     layout = sid_layout_of(size, config.vocab_size)
     out = Path(out_dir)
     save_model(out, config, random_state_dict(config, seed, progress=progress,

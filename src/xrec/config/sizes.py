@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 from xrec.config.onerec import ModelConfig
 from xrec.config.qwen import QwenConfig
 
@@ -50,13 +52,17 @@ SID_VOCABULARIES: dict[str, tuple[int, int]] = {
     "qwen3-sid-1.7b": (151_643, 8192), "qwen3-sid-test": (512, 16)}
 
 
-def size_config(size: str, num_items: int, sizes: dict | None = None) -> ModelConfig | QwenConfig:
+def size_config(size: str, num_items: int, sizes: dict | None = None,
+                seed: int = 0) -> ModelConfig | QwenConfig:
     """The config of the named size (from `sizes`, default `MODEL_SIZES`) that a random model
-    with a catalog of `num_items` items is built from; ValueError for an unknown size or a
-    negative item count."""
+    with a catalog of `num_items` items is built from with `seed`; ValueError for an unknown
+    size, a negative item count, or a seed outside [0, 2**64 - 1] (torch's generator wraps a
+    negative seed, NumPy's refuses it; neither takes 2**64)."""
     sizes = MODEL_SIZES if sizes is None else sizes
     if size not in sizes:
         raise ValueError(f"size: got {size!r}, allowed: {', '.join(sizes)}")
     if num_items < 0:
         raise ValueError(f"num_items: got {num_items}, expected >= 0")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 1 << 64:
+        raise ValueError(f"seed: got {seed!r}, expected an integer in [0, 2**64 - 1]")
     return sizes[size]

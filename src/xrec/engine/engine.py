@@ -470,7 +470,7 @@ def random_parts(size: str, seed: int, num_items: int, options: EngineOptions,
                  sizes: dict[str, FamilyConfig] | None = None,
                  ) -> tuple[RecModel, ItemCatalog | None, EngineOptions, str, None]:
     """`load_parts` for a random model of a named size, built in memory (`Engine.from_random`)."""
-    config = size_config(size, num_items, sizes)
+    config = size_config(size, num_items, sizes, seed)
     device = _resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device, model_class(config).cpu_auto_bf16)
     warning = emulation_warning(dtype, device)
