@@ -336,6 +336,25 @@ def test_make_model_refuses_a_seed_torch_and_numpy_do_not_both_take(home, tmp_pa
         f"xrec make-model: error: seed: got {seed}, expected an integer in [0, 2**64 - 1]"]
 
 
+def test_make_model_into_the_current_directory(home, tmp_path, monkeypatch):
+    """`--out .` swapped the directory out (save_model replaces it whole) and then wrote the
+    catalog relative to the deleted one: "[Errno 2] No such file or directory", a model
+    without its catalog. `--out ''` (an unset `$OUT`) wrote into the current directory."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "notes.txt").write_text("kept\n")
+    monkeypatch.chdir(project)
+    proc = xrec_cli("make-model", "--size", "tiny", "--out", ".", "--items", "10", home=home)
+    assert proc.returncode == 0, proc.stderr
+    assert str(project) in proc.stdout
+    assert (project / "notes.txt").read_text() == "kept\n"
+    assert ItemCatalog.from_model_dir(project, 64).num_items == 10
+    monkeypatch.chdir(tmp_path)
+    proc = xrec_cli("make-model", "--size", "tiny", "--out", "", "--items", "10", home=home)
+    assert proc.returncode == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["project"]
+    assert proc.stderr == "xrec make-model: error: out_dir: got '', expected a directory path\n"
+
+
 @pytest.mark.parametrize("port", ["70000", "-1", "65536"])
 def test_serve_refuses_a_port_outside_the_range(home, tmp_path, port):
     """`--port 70000` listened on 4464 (70000 mod 65536); `--port -1` blamed the host."""

@@ -26,7 +26,9 @@ def write_random_model(out_dir: str | os.PathLike, size: str, seed: int = 0, num
                        progress: bool = False, sizes: dict | None = None) -> Path:
     """Write a random model of a named size (from `sizes`, default `MODEL_SIZES`) and a random
     catalog of `num_items` items. The weights are drawn in float32 and written in the
-    size's `torch_dtype` (`Engine.from_random` builds the same model in memory instead)."""
+    size's `torch_dtype` (`Engine.from_random` builds the same model in memory instead).
+    The directory is replaced whole (`save_model`), so it is named by its absolute path: a
+    relative one (".") would point into the directory just swapped out."""
     import torch
 
     from xrec.catalog.sid_vocab import random_catalog_of_size, sid_layout_of, write_sid_tokenizer
@@ -34,8 +36,10 @@ def write_random_model(out_dir: str | os.PathLike, size: str, seed: int = 0, num
     from xrec.model.random_init import random_state_dict
 
     config = size_config(size, num_items, sizes, seed)
+    if not os.fspath(out_dir):   # Path("") is the current directory
+        raise ValueError("out_dir: got '', expected a directory path")
     layout = sid_layout_of(size, config.vocab_size)
-    out = Path(out_dir)
+    out = Path(out_dir).resolve()
     save_model(out, config, random_state_dict(config, seed, progress=progress,
                                               dtype=getattr(torch, config.torch_dtype)))
     if num_items:
