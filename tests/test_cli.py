@@ -215,10 +215,12 @@ def test_recommend_serves_an_extended_catalog_file(tiny_model, home, tmp_path):
     (["--top-n", "-2"], "--top-n: got -2"),
     (["--token-ids", ""], "token_ids: empty input"),
     (["--embedding", ""], "--embedding : No such file"),
+    (["--model", ""], "--model: got ''"),
 ])
 def test_recommend_never_answers_a_request_it_was_not_given(tiny_model, home, flags, words):
     """`--top-n -2` printed every row but the last two; an empty `--token-ids` or
-    `--embedding` was taken as none given and answered for the default ids 1,2,3."""
+    `--embedding` was taken as none given and answered for the default ids 1,2,3, an empty
+    `--model` by the demo model."""
     proc = xrec_cli("recommend", "--model", str(tiny_model), "--device", "cpu", "--json", *flags,
                     home=home)
     assert proc.returncode == 1 and proc.stdout == "", proc.stdout

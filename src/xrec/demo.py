@@ -62,5 +62,9 @@ def demo_model_dir(progress: bool = True) -> Path:
 
 
 def model_dir_or_demo(model_dir: str | None) -> str:
-    """`model_dir`, or the demo model's directory (written on first use) when it is None."""
-    return model_dir if model_dir else str(demo_model_dir())
+    """`--model`: `model_dir`, or the demo model's directory (written on first use) when it
+    is None. An empty one (an unset `$MODEL`) is refused: it served the demo model."""
+    if model_dir == "":
+        raise ValueError("--model: got '', expected a model directory (leave --model out "
+                         "for the demo model)")
+    return str(demo_model_dir()) if model_dir is None else model_dir
