@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--normalize", choices=("allowed", "full"), default="allowed")
     filters = rec.add_argument_group("filters (models with a catalog; docs/beam-search.md)")
     filters.add_argument("--exclude-items", help="comma-separated catalog item ids never to "
-                         "recommend, e.g. 1,2,3")
+                         "recommend, e.g. 1,2,3 (a negative first id after '=': "
+                         "--exclude-items=-5,3)")
     filters.add_argument("--item-types", help="comma-separated item types to recommend only "
                          "(extended catalogs), e.g. video,live")
     filters.add_argument("--exclude-history", action="store_true", help="decoder-only models: "
