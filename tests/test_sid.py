@@ -256,9 +256,16 @@ def test_share_keeps_raw_codes_and_reports_collisions(svd_embeddings):
 def test_reassign_group_larger_than_codebook_is_an_error():
     points = np.repeat(np.array([[1, 0], [0, 1]], np.float32), 6, axis=0)
     points += np.random.default_rng(0).normal(0, 1e-3, points.shape).astype(np.float32)
-    with pytest.raises(DataError, match="codebook size|share"):
+    with pytest.raises(DataError, match="codebook size|share") as refused:
         build_sids(points, codebook_size=2, collisions="reassign")
+    assert "share their embedding" not in str(refused.value)
     assert build_sids(points, codebook_size=2, collisions="share").report()["num_ids"] <= 8
+    # identical rows (items no user trained on: zero rows) always share their codes; the
+    # error said "use a bigger codebook size" without naming that cause
+    same = np.concatenate([np.zeros((5, 2), np.float32), np.eye(2, dtype=np.float32)])
+    with pytest.raises(DataError, match=r"5 items share the first two codes \(\d+, \d+\) "
+                                        r"\(5 of them share their embedding with another"):
+        build_sids(same, codebook_size=4, collisions="reassign")
     with pytest.raises(ValueError, match="collisions"):
         build_sids(points, codebook_size=2, collisions="merge")
 

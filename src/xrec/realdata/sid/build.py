@@ -97,10 +97,16 @@ def _reassign_last_level(codes: np.ndarray, residual: np.ndarray, centroids: np.
     sizes = np.diff(np.append(starts, len(order)))  # [G]
     if sizes.max() > codebook_size:
         big = int(np.argmax(sizes))
-        c1, c2 = codes[order[starts[big]], :2]
+        members = order[starts[big]:starts[big] + sizes[big]]  # [sizes[big]]
+        c1, c2 = codes[members[0], :2]
+        _, counts = np.unique(residual[members], axis=0, return_counts=True)
+        shared = int(counts[counts > 1].sum())
+        same = (f" ({shared} of them share their embedding with another: identical "
+                f"embeddings, as items no user trained on have, always share their codes)"
+                if shared else "")
         raise DataError(f"collisions='reassign': {sizes[big]} items share the first two codes "
-                        f"({c1}, {c2}) but a level has only {codebook_size} codes, so their "
-                        f"IDs cannot all differ; use a bigger codebook size (at least "
+                        f"({c1}, {c2}){same} but a level has only {codebook_size} codes, so "
+                        f"their IDs cannot all differ; use a bigger codebook size (at least "
                         f"{sizes[big]}) or collisions='share'")
     # codes past the fitted centroids (a level with fewer distinct points than K) cost more
     # than any real one, so they are used only when a group runs out of real centroids
