@@ -253,6 +253,21 @@ def test_missing_parquet_columns_are_refused(tmp_path, model_dir):
     assert not (tmp_path / "out").exists()
 
 
+def test_an_empty_parquet_file_without_the_id_column_is_refused(tmp_path, model_dir, capsys):
+    """A Parquet file of no rows skipped the column checks (as an empty JSONL file, which has
+    no first row to read them from), and the output's id type then failed with a KeyError
+    traceback. Its schema names its columns, rows or none: it is refused like any other."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"user": pa.array([], pa.int64())}), tmp_path / "in.parquet")
+    flags = ["batch", "--input", str(tmp_path / "in.parquet"), "--model", str(model_dir),
+             "--no-progress", "--num-threads", "1"]
+    for output_format in ("parquet", "jsonl"):
+        assert xrec_main([*flags, "--output", str(tmp_path / "out"), "--output-format",
+                          output_format]) == 1
+        assert "no id column 'id' (columns: user)" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_existing_output_is_refused_unless_resume_or_overwrite(tmp_path, model_dir, engine):
     rows = token_rows(5)
     source = write_jsonl(tmp_path / "in.jsonl", rows)

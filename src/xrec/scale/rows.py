@@ -116,8 +116,9 @@ class InputInfo:
 
 def check_input(path: str | os.PathLike, fmt: str, settings: RowSettings) -> InputInfo:
     """The file's columns checked before anything runs: the id column and exactly one
-    input column must be there (JSONL: in the first row); a Parquet filter column must
-    hold lists of integers. ValueError names what is missing and what the file has."""
+    input column must be there (Parquet: in the schema, rows or none; JSONL: in the first
+    row); a Parquet filter column must hold lists of integers. ValueError names what is
+    missing and what the file has."""
     path = str(path)
     if not os.path.isfile(path):
         raise ValueError(f"--input {path}: no such file")
@@ -143,11 +144,12 @@ def check_input(path: str | os.PathLike, fmt: str, settings: RowSettings) -> Inp
                                  f"{type(row).__name__}")
             names = list(row)
             num_rows = sum(1 for _ in jsonl_lines(path))
-    if num_rows and settings.id_column not in names:
+    has_columns = bool(num_rows) or fmt == "parquet"   # an empty JSONL file has no first row
+    if has_columns and settings.id_column not in names:
         raise ValueError(f"--input {path}: no id column {settings.id_column!r} (columns: "
                          f"{', '.join(names) or 'none'}); name it with --id-column")
     given = [name for name in INPUT_FIELDS if name in names]
-    if num_rows and len(given) != 1:
+    if has_columns and len(given) != 1:
         raise ValueError(f"--input {path}: expected exactly one input column of "
                          f"{', '.join(INPUT_FIELDS)}, found {', '.join(given) or 'none'} "
                          f"(columns: {', '.join(names)})")
