@@ -137,6 +137,22 @@ def test_bad_rows_get_error_records_and_the_run_goes_on(tmp_path, model_dir, eng
     assert got[8] == expected_records(engine, [{"id": 9, "token_ids": [5]}], 1)[0]
 
 
+def test_an_id_nested_too_deep_to_write_is_that_rows_error(tmp_path, model_dir, engine):
+    """orjson reads 1,024 levels of nesting and writes 254: a JSONL id nested 300 deep was
+    read, answered, and then failed the writer (TypeError: Recursion limit reached), which
+    stopped the run, and every --resume at the same chunk. Now it is that row's error."""
+    deep = "[" * 300 + "1" + "]" * 300
+    lines = (f'{{"id": {deep}, "token_ids": [1]}}\n', '{"id": [[2]], "token_ids": [2]}\n')
+    rows = token_rows(2)
+    run_batch(job(tmp_path, model_dir, write_jsonl(tmp_path / "in.jsonl", rows, lines),
+                  chunk_rows=2), engine)
+    got = read_output(tmp_path / "out")
+    assert [r["id"] for r in got] == [0, 1, None, [[2]]]
+    assert got[2]["error"].startswith("INVALID_ARGUMENT: id: a list nested too deep to write "
+                                      "back") and got[2]["tokens"] == []
+    assert got[3]["error"] is None and got[3]["tokens"]
+
+
 # ---- the exclude_items column -----------------------------------------------------------------
 
 def filtered_records(engine, rows: list[dict], chunk_rows: int, bad: set[int]) -> list[dict]:

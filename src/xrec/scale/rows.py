@@ -16,10 +16,11 @@ Output: one record per input row, in input order:
 
 A row that fails (a malformed JSON line or one that is not UTF-8, no input, a request
 the engine refuses: a boolean among its ids, a bad `exclude_items`, an id that does not fit
-the output's int64 id column, a JSON integer id past 64 bits, a NaN or infinite id) gets an
-error record and the run goes on; a file-level problem (no id column, no input column, an
-unreadable file, a Parquet `exclude_items` column that is not a list of integers, a Parquet
-id column that JSONL output cannot hold) stops the run before anything is written.
+the output's int64 id column, a JSON integer id past 64 bits, a NaN or infinite id, an array
+or object id nested deeper than JSON output writes) gets an error record and the run goes
+on; a file-level problem (no id column, no input column, an unreadable file, a Parquet
+`exclude_items` column that is not a list of integers, a Parquet id column that JSONL output
+cannot hold) stops the run before anything is written.
 
 JSONL lines are split as Ray Data's `read_text` splits them (`str.splitlines`, blank
 lines dropped), so both paths number the same rows; but a line that is not UTF-8 fails
@@ -243,6 +244,8 @@ def decode_row(raw: Any, settings: RowSettings) -> tuple[Any, RecRequest]:
         raise RowError(None, "INVALID_ARGUMENT", f"row has no {settings.id_column!r}")
     if type(row_id) is float:
         _check_float_id(row_id, line, settings.id_column)
+    elif isinstance(row_id, (list, dict)):
+        _check_nested_id(row_id)
     given = [name for name in INPUT_FIELDS if raw.get(name) is not None]
     if len(given) != 1:
         raise RowError(row_id, "INVALID_ARGUMENT",
@@ -267,6 +270,17 @@ def _check_float_id(row_id: float, line: str | bytes | None, id_column: str) -> 
         raise RowError(None, "INVALID_ARGUMENT",
                        f"id {shown} is an integer out of the range ids are read in "
                        "[-2**63, 2**64 - 1]; give it as a JSON string")
+
+
+def _check_nested_id(row_id: list | dict) -> None:
+    """RowError for a JSON array or object id that the output cannot write back: orjson
+    reads 1,024 levels of nesting and writes 254 (a deeper id failed the writer, and so the
+    run and every --resume)."""
+    try:
+        orjson.dumps(row_id)
+    except orjson.JSONEncodeError as e:
+        raise RowError(None, "INVALID_ARGUMENT", f"id: a {_JSON_TYPES[type(row_id)]} nested too "
+                       f"deep to write back ({e}); give ids as strings or integers") from None
 
 
 def _not_json(raw: str | bytes, error: Exception) -> str:
