@@ -153,6 +153,27 @@ def test_an_id_nested_too_deep_to_write_is_that_rows_error(tmp_path, model_dir, 
     assert got[3]["error"] is None and got[3]["tokens"]
 
 
+def test_a_float_id_beside_deep_nesting_is_read(tmp_path, model_dir, engine):
+    """A float id sent its line to Python's json again (to catch an integer past 64 bits,
+    which orjson reads as a float); Python's json nests less deep than orjson, and its
+    RecursionError stopped the run. Only a whole float of 2**63 or more is read again now,
+    and a line too deep for that is the row's error."""
+    deep = "[" * 1000 + "]" * 1000
+    lines = (f'{{"id": 1.5, "token_ids": [1], "x": {deep}}}\n',
+             f'{{"id": 1e19, "token_ids": [1], "x": {deep}}}\n',
+             '{"id": -9223372036854775809, "token_ids": [1]}\n')
+    run_batch(job(tmp_path, model_dir, write_jsonl(tmp_path / "in.jsonl", token_rows(1), lines),
+                  chunk_rows=2), engine)
+    got = read_output(tmp_path / "out")
+    assert [r["id"] for r in got] == [0, 1.5, None, None]
+    assert got[1]["error"] is None and got[1]["tokens"] == expected_records(
+        engine, [{"id": 1.5, "token_ids": [1]}], 1)[0]["tokens"]
+    assert got[2]["error"] == ("INVALID_ARGUMENT: id 1e+19: the row nests too deep to tell "
+                               "whether the id is an integer past 64 bits; give it as a JSON string")
+    assert got[3]["error"].startswith("INVALID_ARGUMENT: id -9223372036854775809 is an integer "
+                                      "out of the range")
+
+
 # ---- the exclude_items column -----------------------------------------------------------------
 
 def filtered_records(engine, rows: list[dict], chunk_rows: int, bad: set[int]) -> list[dict]:

@@ -261,10 +261,19 @@ def decode_row(raw: Any, settings: RowSettings) -> tuple[Any, RecRequest]:
 def _check_float_id(row_id: float, line: str | bytes | None, id_column: str) -> None:
     """RowError for a float id that names no row: NaN or infinite (JSON output writes it as
     null), or a JSON integer past 64 bits, which orjson reads as the nearest float (two
-    such ids would come out as one id that neither row had)."""
+    such ids would come out as one id that neither row had). Only a whole float of 2**63 or
+    more in magnitude can be one (orjson reads smaller integers as ints): the line is read
+    again for it, with Python's json, which nests less deep than orjson."""
     if not math.isfinite(row_id):
         raise RowError(None, "INVALID_ARGUMENT", f"id {row_id!r} is not a finite number")
-    exact = json.loads(line).get(id_column) if line is not None else None
+    if line is None or not (row_id.is_integer() and abs(row_id) >= 2 ** 63):
+        return
+    try:
+        exact = json.loads(line).get(id_column)
+    except RecursionError:
+        raise RowError(None, "INVALID_ARGUMENT",
+                       f"id {row_id!r}: the row nests too deep to tell whether the id is an "
+                       "integer past 64 bits; give it as a JSON string") from None
     if type(exact) is int:
         shown = str(exact) if len(str(exact)) <= 40 else str(exact)[:37] + "..."
         raise RowError(None, "INVALID_ARGUMENT",
