@@ -128,6 +128,25 @@ def test_resume_writes_a_counted_part_that_is_not_whole_again(tmp_path, model_di
     assert json.loads((out / MANIFEST).read_text())["is_complete"]
 
 
+def test_resume_inside_a_parquet_row_group_reads_every_later_group(tmp_path, model_dir, engine):
+    """A resumed Parquet input skipped whole row groups before the first chunk to write again,
+    but also every later group smaller than the rows skipped inside the first one read (a
+    short last group): from chunk 1 of 3 rows, groups of 10 + 1 rows gave rows 2..9 (row 2
+    twice) and lost row 10. Every group from the first one read is read now."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.Table.from_pylist(token_rows(11)), tmp_path / "in.parquet",
+                   row_group_size=10)
+    source = tmp_path / "in.parquet"
+    run_batch(job(tmp_path, model_dir, source, chunk_rows=3), engine)
+    out = tmp_path / "out"
+    full = read_output(out)
+    (out / part_name(1, "parquet")).unlink()   # written again, with every part after it
+    resumed = run_batch(job(tmp_path, model_dir, source, chunk_rows=3, resume=True), engine)
+    assert (resumed.num_rows, resumed.num_skipped) == (8, 3)
+    assert [r["id"] for r in read_output(out)] == list(range(11))
+    assert read_output(out) == full
+
+
 # ---- the directory is one run's ----------------------------------------------------------------
 
 def test_a_second_run_on_a_held_output_fails_at_once(tmp_path, model_dir, engine):

@@ -209,7 +209,7 @@ def _parquet_rows(info: InputInfo, skip: int) -> Iterator[dict]:
     groups, seen = [], 0
     for group in range(parquet.num_row_groups):   # whole row groups before `skip` are not read
         size = parquet.metadata.row_group(group).num_rows
-        if seen + size > skip:
+        if groups or seen + size > skip:   # every group from the first one read
             groups.append(group)
         else:
             seen += size
