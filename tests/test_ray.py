@@ -228,6 +228,21 @@ def test_ray_batch_refuses_parquet_without_a_suffix(tmp_path, cluster, model_dir
     assert not (tmp_path / "ray").exists()
 
 
+def test_ray_batch_refuses_resume(tmp_path, cluster, model_dir):
+    """`xrec batch --ray --resume` was refused by the CLI alone: `run_batch_ray` took a job
+    with resume=True, kept the parts of the in-process run it resumed and wrote every row
+    again beside them under Ray's part names (each row twice). Refused, the output as it was."""
+    rows = [{"id": i, "token_ids": [i % VOCAB, 1]} for i in range(20)]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_batch(batch_job(tmp_path, model_dir, source, "out"))
+    before = sorted(p.name for p in (tmp_path / "out").iterdir())
+    with pytest.raises(ValueError, match="^--resume: a --ray run is not resumable"):
+        run_batch_ray(batch_job(tmp_path, model_dir, source, "out", resume=True), RAY_OPTIONS)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == before
+    assert [r["id"] for r in read_output(tmp_path / "out")] == list(range(20))
+
+
 def test_ray_pool_that_takes_every_cpu_is_refused():
     assert pool_size(2.0, 1, RayOptions()) == (1, 1.0)
     assert pool_size(9.0, 2, RayOptions()) == (4, 2.0)

@@ -36,6 +36,8 @@ from xrec.scale.rows import (InputInfo, RowSettings, check_input, count_errors, 
 logger = logging.getLogger("xrec.batch")
 
 TASK_CPUS = 1.0   # what Ray Data's read and write tasks ask for (its default)
+NOT_RESUMABLE = ("--resume: a --ray run is not resumable (its output is written by Ray Data's "
+                 "tasks); run again with --overwrite, or without --ray")
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,8 @@ def run_batch_ray(job: BatchJob, options: RayOptions) -> BatchSummary:
     """Run `job` with Ray Data; the same records as `batch.run_batch`, row for row."""
     import ray
 
+    if job.resume:   # Ray would write every row again beside the parts already there
+        raise ValueError(NOT_RESUMABLE)
     job.check_settings()
     input_format, output_format = job.formats()
     info = check_input(job.input, input_format, job.settings)

@@ -90,9 +90,9 @@ def run_batch_command(args: argparse.Namespace) -> int:
     check_catalog_flags(args.catalog, args.catalog_extended)
     if args.ray:
         require_ray("--ray")
-        if args.resume:
-            raise ValueError("--resume: a --ray run is not resumable (its output is written by "
-                             "Ray Data's tasks); run again with --overwrite, or without --ray")
+        if args.resume:   # before the demo model is written on first use
+            from xrec.scale.batch_ray import NOT_RESUMABLE
+            raise ValueError(NOT_RESUMABLE)
     else:
         refuse_ray_flags(args, BATCH_RAY_FLAGS, "`xrec batch` runs one engine in this process")
     job = batch_job(args)
