@@ -556,6 +556,20 @@ def test_booleans_and_non_utf8_lines_are_row_errors(tmp_path, model_dir, engine)
         engine.recommend([RecRequest(token_ids=[True, 2])])
 
 
+def test_a_parquet_string_that_is_not_utf8_is_that_rows_error(tmp_path, model_dir, engine):
+    """Parquet readers do not check the UTF-8 of string columns another writer stored: the
+    chunk's `to_pylist` raised UnicodeDecodeError, which stopped the run (and every --resume)
+    at that chunk. Now that row alone fails, naming the column, as a JSONL line does."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    ids = pa.array([b"u0", b"u\xff", b"u2"], pa.binary()).view(pa.string())   # unchecked
+    pq.write_table(pa.table({"id": ids, "token_ids": [[1], [2], [3]]}), tmp_path / "in.parquet")
+    run_batch(job(tmp_path, model_dir, tmp_path / "in.parquet", chunk_rows=2), engine)
+    got = read_output(tmp_path / "out")
+    assert [r["id"] for r in got] == ["u0", None, "u2"]
+    assert got[1]["error"] == "INVALID_ARGUMENT: row is not UTF-8 text (column 'id')"
+    assert got[2] == expected_records(engine, [{"id": "u2", "token_ids": [3]}], 1)[0]
+
+
 def test_resume_of_a_finished_run_says_there_is_nothing_to_do(tmp_path, model_dir, capsys):
     """It printed "0 rows (0 errors, 5 already written) in 0.0 s, nan rows/s"."""
     source = write_jsonl(tmp_path / "in.jsonl", token_rows(5))

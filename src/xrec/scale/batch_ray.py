@@ -31,7 +31,7 @@ from typing import Any
 from xrec.scale.batch import (BatchJob, BatchSummary, MANIFEST, hold_output, load_engine,
                               prepare_output, run_chunk, write_manifest)
 from xrec.scale.rows import (InputInfo, RowSettings, check_input, count_errors, output_records,
-                             output_schema_for, records_jsonl, records_table)
+                             output_schema_for, records_jsonl, records_table, table_rows)
 
 logger = logging.getLogger("xrec.batch")
 
@@ -138,7 +138,8 @@ class ChunkActor:
     def __call__(self, table: Any) -> Any:
         import pyarrow as pa
 
-        raws = table.column("text").to_pylist() if self.input_format == "jsonl" else table.to_pylist()
+        raws = table.column("text").to_pylist() if self.input_format == "jsonl" else \
+            table_rows(table, self.settings.id_column)
         records = output_records(run_chunk(self.engine, raws, self.settings), self.schema)
         if self.output_format == "parquet":
             return records_table(records, self.schema)

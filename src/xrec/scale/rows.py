@@ -14,11 +14,11 @@ Output: one record per input row, in input order:
     items    [N][*] the catalog items of each semantic id
     error    null, or "CODE: message" for a row that failed (its lists are empty)
 
-A row that fails (a malformed JSON line or one that is not UTF-8, no input, a request
-the engine refuses: a boolean among its ids, a bad `exclude_items`, an id that does not fit
-the output's int64 id column, a JSON integer id past 64 bits, a NaN or infinite id, an array
-or object id nested deeper than JSON output writes) gets an error record and the run goes
-on; a file-level problem (no id column, no input column, an unreadable file, a Parquet
+A row that fails (a malformed JSON line or one that is not UTF-8, a Parquet string that is
+not UTF-8, no input, a request the engine refuses: a boolean among its ids, a bad
+`exclude_items`, an id that does not fit the output's int64 id column, a JSON integer id past
+64 bits, a NaN or infinite id, an array or object id nested deeper than JSON output writes)
+gets an error record and the run goes on; a file-level problem (no id column, no input column, an unreadable file, a Parquet
 `exclude_items` column that is not a list of integers, a Parquet id column that JSONL output
 cannot hold) stops the run before anything is written.
 
@@ -216,11 +216,38 @@ def _parquet_rows(info: InputInfo, skip: int) -> Iterator[dict]:
     if not groups:
         return
     for batch in parquet.iter_batches(batch_size=4096, row_groups=groups, columns=list(info.columns)):
-        rows = batch.to_pylist()
+        rows = table_rows(batch, info.columns[0])
         if seen < skip:
             drop = min(skip - seen, len(rows))
             rows, seen = rows[drop:], seen + drop
         yield from rows
+
+
+def table_rows(table: Any, id_column: str) -> list[Any]:
+    """A pyarrow table's (or record batch's) rows as dicts; a row holding a string that is not
+    UTF-8 (Parquet readers do not check what another writer stored) is a RowError naming the
+    column instead, so that row alone fails (`decode_row`), as a JSONL line that is not UTF-8
+    does; `to_pylist` failed the whole run, and every --resume at the same chunk."""
+    try:
+        return table.to_pylist()
+    except UnicodeDecodeError:
+        return [_table_row(table, index, id_column) for index in range(table.num_rows)]
+
+
+def _table_row(table: Any, index: int, id_column: str) -> Any:
+    row, bad = {}, []
+    for name in table.column_names:
+        try:
+            row[name] = table.column(name)[index].as_py()
+        except UnicodeDecodeError:
+            bad.append(name)
+    if not bad:
+        return row
+    row_id = row.get(id_column)
+    if type(row_id) is float and not math.isfinite(row_id):
+        row_id = None
+    return RowError(row_id, "INVALID_ARGUMENT",
+                    f"row is not UTF-8 text (column {', '.join(map(repr, bad))})")
 
 
 # ---- rows -> requests ------------------------------------------------------------------
@@ -229,6 +256,8 @@ def decode_row(raw: Any, settings: RowSettings) -> tuple[Any, RecRequest]:
     """(row id, request) of a raw row; RowError for a row that cannot be one. Messages do
     not name the row's position: a Ray Data batch does not know it, and both paths must
     write the same records."""
+    if isinstance(raw, RowError):   # a Parquet row that could not be read (`table_rows`)
+        raise raw
     line = None
     if isinstance(raw, (str, bytes)):
         line = raw
