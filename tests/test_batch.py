@@ -566,8 +566,22 @@ def test_a_parquet_string_that_is_not_utf8_is_that_rows_error(tmp_path, model_di
     run_batch(job(tmp_path, model_dir, tmp_path / "in.parquet", chunk_rows=2), engine)
     got = read_output(tmp_path / "out")
     assert [r["id"] for r in got] == ["u0", None, "u2"]
-    assert got[1]["error"] == "INVALID_ARGUMENT: row is not UTF-8 text (column 'id')"
+    assert got[1]["error"] == "INVALID_ARGUMENT: row cannot be read (column 'id' is not UTF-8 text)"
     assert got[2] == expected_records(engine, [{"id": "u2", "token_ids": [3]}], 1)[0]
+
+
+def test_a_parquet_timestamp_past_pythons_range_is_that_rows_error(tmp_path, model_dir, engine):
+    """A timestamp id past year 9999 (Parquet output keeps the id column's type) raised
+    OverflowError in the chunk's `to_pylist`, stopping the run at that chunk."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    ids = pa.array([0, 2 ** 62, 60_000], pa.int64()).cast(pa.timestamp("ms"))
+    pq.write_table(pa.table({"id": ids, "token_ids": [[1], [2], [3]]}), tmp_path / "in.parquet")
+    run_batch(job(tmp_path, model_dir, tmp_path / "in.parquet", chunk_rows=3), engine)
+    got = read_output(tmp_path / "out")
+    assert [r["id"] for r in got] == [ids[0].as_py(), None, ids[2].as_py()]
+    assert got[1]["error"].startswith("INVALID_ARGUMENT: row cannot be read (column 'id': "
+                                      "OverflowError: ")
+    assert got[0]["error"] is None and got[2]["error"] is None
 
 
 def test_resume_of_a_finished_run_says_there_is_nothing_to_do(tmp_path, model_dir, capsys):

@@ -14,8 +14,8 @@ Output: one record per input row, in input order:
     items    [N][*] the catalog items of each semantic id
     error    null, or "CODE: message" for a row that failed (its lists are empty)
 
-A row that fails (a malformed JSON line or one that is not UTF-8, a Parquet string that is
-not UTF-8, no input, a request the engine refuses: a boolean among its ids, a bad
+A row that fails (a malformed JSON line or one that is not UTF-8, a Parquet value Python
+cannot hold: a string that is not UTF-8, a timestamp past year 9999; no input, a request the engine refuses: a boolean among its ids, a bad
 `exclude_items`, an id that does not fit the output's int64 id column, a JSON integer id past
 64 bits, a NaN or infinite id, an array or object id nested deeper than JSON output writes)
 gets an error record and the run goes on; a file-level problem (no id column, no input column, an unreadable file, a Parquet
@@ -224,13 +224,14 @@ def _parquet_rows(info: InputInfo, skip: int) -> Iterator[dict]:
 
 
 def table_rows(table: Any, id_column: str) -> list[Any]:
-    """A pyarrow table's (or record batch's) rows as dicts; a row holding a string that is not
-    UTF-8 (Parquet readers do not check what another writer stored) is a RowError naming the
-    column instead, so that row alone fails (`decode_row`), as a JSONL line that is not UTF-8
-    does; `to_pylist` failed the whole run, and every --resume at the same chunk."""
+    """A pyarrow table's (or record batch's) rows as dicts; a row holding a value Python cannot
+    hold (a string that is not UTF-8: Parquet readers do not check what another writer stored;
+    a timestamp past year 9999) is a RowError naming the column instead, so that row alone
+    fails (`decode_row`), as a JSONL line that is not UTF-8 does; `to_pylist` failed the whole
+    run, and every --resume at the same chunk."""
     try:
         return table.to_pylist()
-    except UnicodeDecodeError:
+    except (ValueError, OverflowError):   # UnicodeDecodeError is a ValueError
         return [_table_row(table, index, id_column) for index in range(table.num_rows)]
 
 
@@ -240,14 +241,15 @@ def _table_row(table: Any, index: int, id_column: str) -> Any:
         try:
             row[name] = table.column(name)[index].as_py()
         except UnicodeDecodeError:
-            bad.append(name)
+            bad.append(f"column {name!r} is not UTF-8 text")
+        except (ValueError, OverflowError) as e:
+            bad.append(f"column {name!r}: {type(e).__name__}: {e}")
     if not bad:
         return row
     row_id = row.get(id_column)
     if type(row_id) is float and not math.isfinite(row_id):
         row_id = None
-    return RowError(row_id, "INVALID_ARGUMENT",
-                    f"row is not UTF-8 text (column {', '.join(map(repr, bad))})")
+    return RowError(row_id, "INVALID_ARGUMENT", f"row cannot be read ({'; '.join(bad)})")
 
 
 # ---- rows -> requests ------------------------------------------------------------------
