@@ -15,10 +15,11 @@ Output: one record per input row, in input order:
     error    null, or "CODE: message" for a row that failed (its lists are empty)
 
 A row that fails (a malformed JSON line or one that is not UTF-8, a Parquet value Python
-cannot hold: a string that is not UTF-8, a timestamp past year 9999; no input, a request the engine refuses: a boolean among its ids, a bad
-`exclude_items`, an id that does not fit the output's int64 id column, a JSON integer id past
-64 bits, a NaN or infinite id, an array or object id nested deeper than JSON output writes)
-gets an error record and the run goes on; a file-level problem (no id column, no input column, an unreadable file, a Parquet
+cannot hold: a string that is not UTF-8, a timestamp past year 9999; no input, a request the
+engine refuses: a boolean among its ids, a bad `exclude_items`, an id that does not fit the
+output's int64 id column, a JSON integer id past 64 bits, a NaN or infinite id, an array or
+object id nested deeper than JSON output writes) gets an error record and the run goes on; a
+file-level problem (no id column, no input column, an unreadable file, a Parquet
 `exclude_items` column that is not a list of integers, a Parquet id column that JSONL output
 cannot hold) stops the run before anything is written.
 
