@@ -205,6 +205,20 @@ def test_agreement_by_hand():
         agreement(fp32, bf16[:1], metrics, metrics, k=4)
 
 
+
+def _signal_after_the_first_epoch(child: subprocess.Popen, state: Path, signum: int) -> tuple:
+    """Sends `signum` to a training `child` once its `state` (state.json) says an epoch is
+    committed; (stdout, stderr) once it has ended."""
+    try:
+        while child.poll() is None:
+            if state.is_file() and json.loads(state.read_text())["epoch"] >= 1:
+                child.send_signal(signum)
+                break
+            time.sleep(0.02)
+        return child.communicate(timeout=120)
+    finally:
+        child.kill()
+
 @pytest.mark.parametrize("options", [{}, {"ema": 0.9}, {"lookahead": 0.0}])
 def test_killed_run_resumes_where_it_stopped(split, sid_dir, tmp_path, options):
     """A run killed (SIGKILL) after its first epoch, started again with the same options,
@@ -220,15 +234,7 @@ def test_killed_run_resumes_where_it_stopped(split, sid_dir, tmp_path, options):
               f"Path({str(out)!r}), 'qwen3', epochs=3, **{options!r})\n")
     child = subprocess.Popen([sys.executable, "-c", script])
     state = tmp_path / "killed.partial" / "state.json"
-    try:
-        while child.poll() is None:
-            if state.is_file() and json.loads(state.read_text())["epoch"] >= 1:
-                child.send_signal(signal.SIGKILL)
-                break
-            time.sleep(0.02)
-        child.wait(timeout=120)
-    finally:
-        child.kill()
+    _signal_after_the_first_epoch(child, state, signal.SIGKILL)
     assert not out.exists(), "the run was killed before its end: no model directory yet"
     epoch_at_kill = json.loads(state.read_text())["epoch"]
     assert 1 <= epoch_at_kill < 3
@@ -262,15 +268,7 @@ def test_ctrl_c_is_one_line_exit_130_and_the_same_command_resumes(sid_dir, tmp_p
         command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     state = tmp_path / "model.partial" / "state.json"
-    try:
-        while child.poll() is None:
-            if state.is_file() and json.loads(state.read_text())["epoch"] >= 1:
-                child.send_signal(signal.SIGINT)
-                break
-            time.sleep(0.02)
-        _, stderr = child.communicate(timeout=120)
-    finally:
-        child.kill()
+    _, stderr = _signal_after_the_first_epoch(child, state, signal.SIGINT)
     assert child.returncode == 130, stderr[-2000:]
     assert stderr.strip().splitlines()[-1] == (
         "xrec train: interrupted; the same command again resumes after the last epoch it "
