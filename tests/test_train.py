@@ -201,6 +201,10 @@ def test_agreement_by_hand():
     assert got["hr@10_relative_difference"] == pytest.approx(0.01)
     assert got["ndcg@10_relative_difference"] == pytest.approx(-0.2) and not got["meets_gate"]
     assert agreement(fp32, fp32, metrics, metrics, k=4)["hr@10_relative_difference"] == 0.0
+    zero = {"hr@10": 0.0, "ndcg@10": 0.0}   # both miss every target: they agree
+    full = np.array([[1, 2, 3, 4], [5, 6, 7, 8]])
+    assert agreement(full, full, zero, zero, k=4)["meets_gate"]
+    assert agreement(fp32, fp32, zero, metrics, k=4)["hr@10_relative_difference"] is None
     with pytest.raises(ValueError, match="expected the same"):
         agreement(fp32, bf16[:1], metrics, metrics, k=4)
 

@@ -17,7 +17,8 @@ def agreement(reference: np.ndarray, other: np.ndarray, reference_metrics: dict,
     """`reference` (float32) and `other` (e.g. bfloat16) rankings, int [U, K] best first with
     -1 padding, and their metrics: the share of users whose first item is the same, the
     mean |top-k ∩ top-k| / k, the relative differences (other - reference) / reference
-    of HR@10 and NDCG@10 (None where the reference is 0), and whether the gate holds."""
+    of HR@10 and NDCG@10 (0 where both are equal, None where only the reference is 0),
+    and whether the gate holds."""
     if reference.shape != other.shape or reference.shape[1] < k:
         raise ValueError(f"rankings: got shapes {reference.shape} and {other.shape}, expected the "
                          f"same [U, K] with K >= {k}")
@@ -35,6 +36,10 @@ def agreement(reference: np.ndarray, other: np.ndarray, reference_metrics: dict,
 
 
 def _relative(value: float, reference: float) -> float | None:
+    """(value - reference) / reference; 0 for equal values, 0 included (two models that both
+    miss every target agree: the gate failed them on None)."""
+    if value == reference:
+        return 0.0
     return None if not reference else (value - reference) / reference
 
 
