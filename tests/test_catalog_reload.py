@@ -8,6 +8,7 @@ catalog they came from, and its `catalog_version` / `X-Catalog-Version` must nam
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -157,6 +158,22 @@ def test_bad_catalogs_are_refused_and_the_current_keeps_serving(engine, tmp_path
             engine.load_catalog(value)
     with pytest.raises(InvalidArgument, match="extended"):
         engine.load_catalog(tmp_path / "good.bin", extended="yes")
+
+
+def test_a_file_that_cannot_be_read_keeps_the_previous_version(engine, tmp_path):
+    """A missing path, a FIFO or a directory is refused before the previous version is let
+    go, as the admin route refuses it: it let go first, so `restore_catalog` found nothing
+    where the same load over HTTP kept the previous version restorable."""
+    first = engine.catalog_version
+    second = engine.load_catalog(write(catalog_of(18), tmp_path / "second.bin"))
+    os.mkfifo(tmp_path / "fifo.bin")
+    for path, words in ((tmp_path / "nope.bin", "No such file"),
+                        (tmp_path / "fifo.bin", r"not a regular file \(a FIFO\)"),
+                        (tmp_path, r"not a regular file \(a directory\)")):
+        with pytest.raises(InvalidArgument, match=words):
+            engine.load_catalog(path)
+        assert engine.catalog_versions() == (second, first), path
+    assert engine.restore_catalog() == first
 
 
 def test_a_batch_in_flight_finishes_on_the_catalog_it_started_with(engine):

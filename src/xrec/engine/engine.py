@@ -21,6 +21,7 @@ import torch
 
 from xrec.api_types import CatalogVersion, SearchLimits, ValidRequest
 from xrec.catalog import ItemCatalog
+from xrec.catalog.formats import CatalogError
 from xrec.catalog.sid_vocab import random_catalog_of_size
 from xrec.config import EngineOptions, FamilyConfig, read_model_config
 from xrec.config.engine import checked_grace_s
@@ -45,6 +46,7 @@ from xrec.search.graphs import CudaGraphs, DecodeGraphs
 from xrec.search.step import RecStep
 from xrec.search.workspace import WorkspaceModel
 from xrec.tokenizer import PromptTokenizer
+from xrec.utils.files import FileRefused, check_regular_file
 from xrec.utils.fresh_thread import in_fresh_thread
 
 logger = logging.getLogger(__name__)
@@ -247,7 +249,8 @@ class Engine(EngineFrontend):
 
         Raises `InvalidArgument` for a catalog that fails a check: the current one keeps
         serving. At most two catalogs are in memory: the previous one is let go first
-        (`Unavailable` if a batch still runs on it after 30 s).
+        (`Unavailable` if a batch still runs on it after 30 s), except for a path that is
+        no regular file (missing, a FIFO, a directory), refused before that.
         """
         if self._closed.is_set():
             raise Unavailable("engine is closed")
@@ -276,6 +279,13 @@ class Engine(EngineFrontend):
                                       f"catalog {source or loaded}: "
                                       f"{str(exc).removeprefix('catalog: ')}") from None
 
+        if not isinstance(catalog, ItemCatalog):
+            # a file that cannot be read at all (missing, a FIFO, a directory) is refused
+            # before the previous version is let go: it stays restorable (as over HTTP)
+            try:
+                check_regular_file(catalog)
+            except FileRefused as exc:
+                raise CatalogError(f"cannot read catalog file {Path(catalog)}: {exc}") from None
         version = self._catalogs.replace(lambda: in_fresh_thread(build)).version
         logger.info("catalog loaded: %s", version)
         return version
