@@ -385,6 +385,17 @@ ALERT_TESTS = [
 
 
 @needs_promtool
+def test_promtool_checks_the_scraped_metrics(scraped):
+    """`promtool check metrics` (its parser and its lint) on both scrapes: the workspace
+    budget was a gauge named `xrec_workspace_bytes_total`, and promtool exits 3 on a
+    `_total` suffix that is not a counter's."""
+    for state, text in scraped.items():
+        result = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True,
+                                text=True, timeout=60)
+        assert result.returncode == 0, (state, result.stdout + result.stderr)
+
+
+@needs_promtool
 def test_promtool_checks_the_rules():
     result = subprocess.run([PROMTOOL, "check", "rules", str(RULES)], capture_output=True,
                             text=True, timeout=60)

@@ -209,7 +209,7 @@ def test_health_models_metrics(client):
                  "xrec_round_seconds", "xrec_batch_size_requests", "xrec_batch_size_beams",
                  "xrec_input_length_tokens", "xrec_requests_waiting", "xrec_batches_running",
                  "xrec_pipelines_busy", "xrec_workspace_bytes_in_use",
-                 "xrec_workspace_bytes_total", "xrec_requests_total", "xrec_input_tokens_total",
+                 "xrec_workspace_bytes_budget", "xrec_requests_total", "xrec_input_tokens_total",
                  "xrec_cpu_threads"):
         assert f"\n{name}" in text, name
     assert 'xrec_requests_total{api="native",code="OK"}' in text
