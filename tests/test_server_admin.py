@@ -23,7 +23,7 @@ pytest.importorskip("uvicorn")
 
 from test_server import WAIT_S, ServerThread, start_serve  # noqa: E402
 
-from xrec import Engine  # noqa: E402
+from xrec import Engine, InvalidArgument  # noqa: E402
 from xrec.catalog import ItemCatalog, random_catalog  # noqa: E402
 from xrec.demo import write_random_model  # noqa: E402
 from xrec.server.app import create_app  # noqa: E402
@@ -131,6 +131,23 @@ def test_paths_outside_the_catalog_directory_are_refused(engine, catalogs, tmp_p
             assert source == str((catalogs / "daily" / "good.bin").resolve())
     finally:
         server.stop()
+
+
+def test_a_path_no_file_name_can_hold_is_refused(engine, catalogs):
+    """A lone UTF-16 surrogate (`\\ud800`, valid JSON) cannot be encoded as a file name:
+    the route answered 500 INTERNAL with a logged traceback (UnicodeEncodeError) and
+    `Engine.load_catalog` raised the UnicodeEncodeError itself; both are INVALID_ARGUMENT."""
+    server = _server(engine, catalog_dir=catalogs)
+    try:
+        with httpx.Client(base_url=server.url, timeout=WAIT_S) as client:
+            for body in (b'{"path": "\\ud800.bin"}', b'{"path": "daily/\\udfff"}'):
+                message = _error(client.post(LOAD, content=body), 400, "INVALID_ARGUMENT")
+                assert "surrogate" in message, message
+            assert client.post(LOAD, json={"path": "daily/good.bin"}).status_code == 200
+    finally:
+        server.stop()
+    with pytest.raises(InvalidArgument, match="surrogate"):
+        engine.load_catalog(catalogs / "\ud800.bin")
 
 
 def test_errors_name_the_file_in_the_catalog_directory_and_never_quote_it(engine, catalogs):

@@ -58,7 +58,7 @@ from pydantic import BaseModel
 from xrec.errors import Internal, InvalidArgument, NotFound, XrecError
 from xrec.server import schemas
 from xrec.server.service import XrecService, error_response, read_body
-from xrec.utils.files import FileRefused, check_regular_file
+from xrec.utils.files import LONE_SURROGATE, FileRefused, check_regular_file
 
 if TYPE_CHECKING:
     from xrec.api_types import CatalogVersion
@@ -100,7 +100,10 @@ class CatalogFiles:
         its name relative to the directory; `InvalidArgument` when it lands outside."""
         if "\0" in path:
             raise InvalidArgument("path: holds a NUL character")
-        real = Path(os.path.realpath(self.directory / path))
+        try:
+            real = Path(os.path.realpath(self.directory / path))
+        except UnicodeEncodeError:   # realpath encodes the name to ask the file system
+            raise InvalidArgument(f"path: {LONE_SURROGATE}") from None
         if real != self.directory and self.directory not in real.parents:
             raise InvalidArgument(f"path: got {path[:200]!r}, which is outside the catalog "
                                   f"directory; name a file in it (relative to it)")

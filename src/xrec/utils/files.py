@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["FileRefused", "atomic_directory", "check_regular_file", "fsync_path",
+__all__ = ["LONE_SURROGATE", "FileRefused", "atomic_directory", "check_regular_file", "fsync_path",
            "new_file_mode", "read_regular_file", "write_file_atomically", "xrec_home"]
 
 
@@ -101,6 +101,10 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
           (stat.S_ISSOCK, "a socket"))
 
 
+LONE_SURROGATE = ("the path holds a lone UTF-16 surrogate (U+D800-U+DFFF), which no file "
+                  "name can hold")
+
+
 class FileRefused(ValueError):
     """A file that `read_regular_file` will not read. The message names the problem only
     (never the path, never the content): callers say which file."""
@@ -126,6 +130,8 @@ def _open_regular(path: str | os.PathLike, max_bytes: int | None) -> tuple[int, 
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise FileRefused(exc.strerror or str(exc)) from None
+    except UnicodeEncodeError:
+        raise FileRefused(LONE_SURROGATE) from None
     try:
         return fd, _checked(os.fstat(fd), max_bytes)
     except BaseException:
