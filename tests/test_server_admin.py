@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -148,6 +149,34 @@ def test_a_path_no_file_name_can_hold_is_refused(engine, catalogs):
         server.stop()
     with pytest.raises(InvalidArgument, match="surrogate"):
         engine.load_catalog(catalogs / "\ud800.bin")
+
+
+def test_each_load_answers_the_catalog_it_loaded_when_loads_race(engine, catalogs):
+    """Eight loads at once, five times: each answer's `current` is the catalog that load
+    swapped in (as `Engine.load_catalog` returns it). The versions were read after the
+    load, off its thread, so the next queued load could swap in between and a load was
+    answered with another file's catalog."""
+    hashes = {}
+    for seed in range(20, 28):
+        catalog_of(seed, num_items=20).write(catalogs / f"c{seed}.bin")
+        hashes[f"c{seed}.bin"] = catalog_of(seed, num_items=20).content_hash()
+    server = _server(engine, catalog_dir=catalogs)
+    answers: dict[str, dict] = {}
+
+    def load(client: httpx.Client, name: str) -> None:
+        answers[name] = client.post(LOAD, json={"path": name}).json()
+    try:
+        with httpx.Client(base_url=server.url, timeout=WAIT_S) as client:
+            for _ in range(5):
+                threads = [threading.Thread(target=load, args=(client, name)) for name in hashes]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join(WAIT_S)
+                assert {name: answer["current"]["content_hash"]
+                        for name, answer in answers.items()} == hashes
+    finally:
+        server.stop()
 
 
 def test_errors_name_the_file_in_the_catalog_directory_and_never_quote_it(engine, catalogs):

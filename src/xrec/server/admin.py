@@ -31,7 +31,9 @@ Decisions where the issue is silent:
   request waited 29 s behind six loads).
 - The answer's two versions are read at once (`catalog_versions()`, one round trip to a
   process-isolated engine's child, on a worker thread): read one after the other, they
-  could straddle a restore and name one version as both.
+  could straddle a restore and name one version as both. After a load or restore they
+  are read on the catalog thread right after it, so the answer names the catalog that
+  load swapped in, never one of a load queued behind it.
 - A file that fails a check is 400 INVALID_ARGUMENT naming the problem, and the
   current catalog keeps serving. A load lets go of the previous version before it
   reads the new file (two catalogs in memory at most), so after a load refused by the
@@ -55,16 +57,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from xrec.api_types import CatalogVersion
 from xrec.errors import Internal, InvalidArgument, NotFound, XrecError
 from xrec.server import schemas
 from xrec.server.service import XrecService, error_response, read_body
 from xrec.utils.files import LONE_SURROGATE, FileRefused, check_regular_file
 
 if TYPE_CHECKING:
-    from xrec.api_types import CatalogVersion
     from xrec.engine.frontend import EngineFrontend
 
 logger = logging.getLogger(__name__)
+
+Versions = tuple[CatalogVersion | None, CatalogVersion | None]   # (current, previous)
 
 MAX_ADMIN_BODY_BYTES = 64 << 10
 DEFAULT_MAX_CATALOG_BYTES = 4 << 30
@@ -131,40 +135,48 @@ def add_catalog_routes(app: FastAPI, service: XrecService,
                        "the server may load any catalog file there", files.directory)
     changes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xrec-catalog")
 
-    async def on_changes_thread(change: Callable[..., Any], *args: Any) -> None:
-        await asyncio.get_running_loop().run_in_executor(changes, change, *args)
+    async def on_changes_thread(engine: EngineFrontend, change: Callable[..., Any],
+                                *args: Any) -> Versions:
+        """`change(*args)`, then both versions, read on the same thread: a load or restore
+        queued behind it cannot swap in between (it answered with that one's catalog)."""
+        def change_then_read() -> Versions:
+            change(*args)
+            return engine.catalog_versions()
+        return await asyncio.get_running_loop().run_in_executor(changes, change_then_read)
 
     # one route for both methods: with a route each, the 405 for any other method named
     # only the first route's method in its Allow header
     @app.api_route("/v1/admin/catalog", methods=["GET", "POST"])
     async def catalog(request: Request) -> Response:
-        async def load(engine: EngineFrontend) -> None:
+        async def load(engine: EngineFrontend) -> Versions:
             if files is None:
                 raise NotFound("catalog loads are off on this server: start it with "
                                "--catalog-dir DIR to load catalog files from DIR")
             body = await read_body(request, MAX_ADMIN_BODY_BYTES)
             parsed = schemas.parse_body(body, CatalogLoadRequest)
-            await on_changes_thread(files.load, engine, parsed.path, parsed.extended)
+            return await on_changes_thread(engine, files.load, engine, parsed.path,
+                                           parsed.extended)
         if request.method == "GET":
             return await _change(service, None, None)
         return await _change(service, "load", load)
 
     @app.post("/v1/admin/catalog/restore")
     async def restore_catalog() -> Response:
-        async def restore(engine: EngineFrontend) -> None:
-            await on_changes_thread(engine.restore_catalog)
+        async def restore(engine: EngineFrontend) -> Versions:
+            return await on_changes_thread(engine, engine.restore_catalog)
         return await _change(service, "restore", restore)
 
 
 async def _change(service: XrecService, action: str | None,
-                  change: Callable[[EngineFrontend], Awaitable[None]] | None) -> Response:
+                  change: Callable[[EngineFrontend], Awaitable[Versions]] | None) -> Response:
     """Run a load or restore (None: only read); answer both versions after it, or the
     error (a load or restore is counted by outcome)."""
     try:
         engine = service._engine_or_503()
-        if change is not None:
-            await change(engine)
-        answer = _versions(*await asyncio.to_thread(engine.catalog_versions))
+        if change is None:
+            answer = _versions(*await asyncio.to_thread(engine.catalog_versions))
+        else:
+            answer = _versions(*await change(engine))
     except XrecError as e:
         code, answer = e.code, error_response(e)
     except Exception as e:  # a server bug: answer it, keep serving
