@@ -192,6 +192,17 @@ def gate(engine):
 
 # ---- endpoints -------------------------------------------------------------------
 
+def test_head_answers_as_get_without_a_body(client):
+    """RFC 9110 9.3.2: a server that answers GET answers HEAD too. Probes that send
+    `HEAD /health` (curl -I, HAProxy's `http-check send meth HEAD`) got 405 and marked a
+    serving replica down; HEAD now has GET's status and headers, without the body."""
+    for path in ("/health", "/metrics", "/v1/models", "/v1/models/tiny", "/openapi.json"):
+        get, head = client.get(path), client.head(path)
+        assert (head.status_code, head.content) == (get.status_code, b""), path
+        assert head.headers["content-type"] == get.headers["content-type"], path
+    assert client.head("/v1/models/other").status_code == 404
+
+
 def test_health_models_metrics(client):
     assert client.get("/health").json() == {"status": "ok", "model": "tiny"}
     models = client.get("/v1/models").json()

@@ -47,6 +47,10 @@ from xrec.server import openapi
 from xrec.server.admin import DEFAULT_MAX_CATALOG_BYTES, CatalogFiles, add_catalog_routes
 from xrec.server.service import COMPLETION_PATHS, XrecService, error_response
 
+# the read-only routes answer HEAD as GET, without the body (RFC 9110 9.3.2; FastAPI adds no
+# HEAD to a GET route, and probes that send HEAD /health got 405)
+READ_METHODS = ["GET", "HEAD"]
+
 
 class _Gate:
     """ASGI middleware: counts requests in flight (for the drain), checks the API key, and
@@ -140,18 +144,18 @@ def create_app(engine: EngineFrontend | None, *, served_model_name: str | None =
     async def chat_completions(request: Request) -> Response:
         return await service.complete(request, "chat")
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=READ_METHODS)
     async def models() -> dict:
         return {"object": "list", "data": [_model_card(service)]}
 
-    @app.get("/v1/models/{name:path}")
+    @app.api_route("/v1/models/{name:path}", methods=READ_METHODS)
     async def model(name: str) -> Any:
         if name != service.model_name:
             return error_response(NotFound(f"model: got {name!r}, this server serves "
                                            f"{service.model_name!r}"))
         return _model_card(service)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=READ_METHODS)
     async def health() -> Any:
         if service.is_draining or service.engine is None:
             state = "draining" if service.is_draining else "loading"
@@ -161,12 +165,12 @@ def create_app(engine: EngineFrontend | None, *, served_model_name: str | None =
                                               "scheduler stopped, or its process exited)"))
         return {"status": "ok", "model": service.model_name}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=READ_METHODS)
     async def metrics() -> Response:
         body = await asyncio.to_thread(service.metrics.render)
         return Response(body, media_type=service.metrics.content_type)
 
-    @app.get("/openapi.json")
+    @app.api_route("/openapi.json", methods=READ_METHODS)
     async def openapi_document() -> dict:
         return openapi.document(service.api_key is not None)
 
