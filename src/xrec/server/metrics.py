@@ -144,7 +144,7 @@ ENGINE_GAUGES = {
     "xrec_pipelines_busy": ("Pipelines running a batch", lambda s: s.num_pipelines_busy),
     "xrec_pipelines": ("Pipelines", lambda s: s.num_pipelines),
     "xrec_workspace_bytes_budget": ("Workspace budget of all pipelines",
-                                   lambda s: s.workspace_bytes_total),
+                                    lambda s: s.workspace_bytes_total),
     "xrec_workspace_bytes_in_use": ("Workspace estimate of the batches running now",
                                     lambda s: s.workspace_bytes_in_use),
     "xrec_cpu_threads": ("CPU intra-op threads of all pipelines now (fewer while other "
