@@ -34,8 +34,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"xrec {args.command}: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:   # Ctrl-C: one line, not a traceback (batch and train say more)
-        print(f"xrec {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt:   # Ctrl-C: one line, not a traceback, and how to go on
+        hint = getattr(args, "interrupted_hint", None)
+        print(f"xrec {args.command}: interrupted{hint(args) if hint else ''}", file=sys.stderr)
         return 130
 
 

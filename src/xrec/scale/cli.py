@@ -69,7 +69,7 @@ def add_batch_parser(sub: Any) -> argparse.ArgumentParser:
     ray.add_argument("--actor-gpus", type=float, help="GPUs each actor reserves (default 0)")
     EngineOptions.add_cli_args(batch)
     batch.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    batch.set_defaults(run=run_batch_command)
+    batch.set_defaults(run=run_batch_command, interrupted_hint=_resume_hint)   # Ctrl-C: xrec.cli
     return batch
 
 
@@ -96,17 +96,13 @@ def run_batch_command(args: argparse.Namespace) -> int:
     else:
         refuse_ray_flags(args, BATCH_RAY_FLAGS, "`xrec batch` runs one engine in this process")
     job = batch_job(args)
-    try:
-        if args.ray:
-            from xrec.scale.batch_ray import RayOptions, run_batch_ray
-            summary = run_batch_ray(job, RayOptions(args.address, args.actors, args.actor_cpus,
-                                                    args.actor_gpus or 0.0))
-        else:
-            from xrec.scale.batch import run_batch
-            summary = run_batch(job, owns_process=True)
-    except KeyboardInterrupt:
-        print(f"xrec batch: interrupted{_resume_hint(args)}", file=sys.stderr)
-        return 130
+    if args.ray:
+        from xrec.scale.batch_ray import RayOptions, run_batch_ray
+        summary = run_batch_ray(job, RayOptions(args.address, args.actors, args.actor_cpus,
+                                                args.actor_gpus or 0.0))
+    else:
+        from xrec.scale.batch import run_batch
+        summary = run_batch(job, owns_process=True)
     if summary.num_rows == 0:
         done = f"{summary.num_skipped} rows already written" if summary.num_skipped else \
             "the input has no rows"
@@ -121,7 +117,8 @@ def run_batch_command(args: argparse.Namespace) -> int:
 
 
 def _resume_hint(args: argparse.Namespace) -> str:
-    """What an interrupted run left: the rows its manifest counts, and how to go on."""
+    """What an interrupted run left (`xrec.cli.main`'s Ctrl-C line): the rows its manifest
+    counts, and how to go on."""
     from xrec.scale.batch import read_manifest
 
     try:

@@ -154,14 +154,16 @@ def check_out_dir(out_dir: Path, replace: bool) -> None:
         return
     if not replace:
         raise DataError(f"{out_dir} exists: choose another directory or replace it (--force)")
-    others = (sorted(p.name for p in out_dir.iterdir() if p.name not in SID_FILES)
-              if out_dir.is_dir() and not out_dir.is_symlink() else None)
-    if others is None or others or not (out_dir / "sid_report.json").is_file():
-        held = "it is not a directory" if others is None else (
-            f"it holds {', '.join(others[:3])}{', ...' if len(others) > 3 else ''}" if others
-            else "it has no sid_report.json")
-        raise DataError(f"{out_dir}: --force replaces a semantic-ID directory of `xrec sid "
-                        f"build` only, and {held}; choose another --out")
+    if not out_dir.is_dir() or out_dir.is_symlink():
+        held = "it is not a directory"
+    else:
+        others = sorted(p.name for p in out_dir.iterdir() if p.name not in SID_FILES)
+        if not others and (out_dir / "sid_report.json").is_file():
+            return
+        held = (f"it holds {', '.join(others[:3])}{', ...' if len(others) > 3 else ''}"
+                if others else "it has no sid_report.json")
+    raise DataError(f"{out_dir}: --force replaces a semantic-ID directory of `xrec sid build` "
+                    f"only, and {held}; choose another --out")
 
 
 def write_sid_dir(out_dir: str | os.PathLike, data: Interactions, result: SidResult,

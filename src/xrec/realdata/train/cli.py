@@ -9,7 +9,6 @@ Heavy imports (torch, transformers, the data loaders) happen inside the command.
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -91,7 +90,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                                help=f"{_HELP[f.name]} (default {f.default})")
     train.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
-    train.set_defaults(run=run_train)
+    train.set_defaults(run=run_train, interrupted_hint=lambda args: (   # Ctrl-C: xrec.cli
+        "; the same command again resumes after the last epoch it finished"))
     return train
 
 
@@ -104,13 +104,8 @@ def run_train(args: argparse.Namespace) -> int:
     split = leave_one_out(load_dataset(args.data))
     sid = Path(args.sid) if args.sid else run_dir(args.data) / "sid"
     out = Path(args.out) if args.out else run_dir(args.data) / options.family
-    try:
-        report = train(split, sid, out, options, progress=not args.no_progress,
-                       threads=args.threads)
-    except KeyboardInterrupt:
-        print("xrec train: interrupted; the same command again resumes after the last epoch "
-              "it finished", file=sys.stderr)
-        return 130
+    report = train(split, sid, out, options, progress=not args.no_progress,
+                   threads=args.threads)
     best = report["best"]
     chosen = ("the last epoch (--final: no validation)" if best["hr@10"] is None else
               f"best validation HR@10 {best['hr@10']:.4f} at epoch {best['epoch']}")
