@@ -131,10 +131,10 @@ def _engine_rate(job, source: Path, num_rows: int) -> dict:
 def _ray_rate(job, args: argparse.Namespace) -> dict:
     import ray
 
-    from xrec.scale.batch_ray import RayOptions, run_batch_ray
+    from xrec.scale.batch_ray import RayOptions, init_ray, run_batch_ray
 
     started = time.perf_counter()
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    init_ray(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     startup = time.perf_counter() - started
     try:
         summary = run_batch_ray(job, RayOptions(num_actors=args.actors, actor_cpus=args.actor_cpus))

@@ -69,13 +69,14 @@ def _ray_contenders(model_dir: Path, bodies: list[bytes], threads: int,
     import ray
     from ray import serve
 
+    from xrec.scale.batch_ray import init_ray
     from xrec.scale.serve_app import (APP_NAME, PROXY_CALLBACK, PROXY_CALLBACK_VARIABLE,
                                       ServeOptions, replica_infos, start)
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ[PROXY_CALLBACK_VARIABLE] = PROXY_CALLBACK
     before = set(_pids())
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    init_ray(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     rows, memory = [], {}
     try:
         port = free_port()

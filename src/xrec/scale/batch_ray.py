@@ -59,6 +59,22 @@ class RayOptions:
             raise ValueError(f"--actor-gpus: got {self.actor_gpus}, expected >= 0")
 
 
+# Ray starts its workers at nice 15 so that its own daemons keep the CPU. On a cluster xrec
+# starts, the workers are the engines, the work itself: at nice 15 beside any busy process
+# they got a sliver of a core (a Serve replica's engine load took 2 min 8 s instead of 5 s
+# beside the test suite). Such a cluster runs them at 0; a joined one keeps its own setting.
+WORKER_NICENESS_VARIABLE = "RAY_worker_niceness"
+
+
+def init_ray(**kwargs: Any) -> None:
+    """`ray.init(**kwargs)`, with the workers of a cluster it starts at nice 0 (unless
+    $RAY_worker_niceness says otherwise: the raylet reads it at its start)."""
+    import ray
+
+    os.environ.setdefault(WORKER_NICENESS_VARIABLE, "0")
+    ray.init(**kwargs)
+
+
 def connect(address: str | None, flag: str = "--address") -> bool:
     """Join the cluster at `address` ($RAY_ADDRESS when None), else start a local one.
     True when this call connected this process (the caller calls `ray.shutdown`, which
@@ -73,7 +89,7 @@ def connect(address: str | None, flag: str = "--address") -> bool:
     if address not in (None, "auto", "local") and not address.startswith("ray://"):
         _probe(address, flag)
     try:
-        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING,
+        init_ray(address=address, log_to_driver=False, logging_level=logging.WARNING,
                  include_dashboard=False if address is None else None)
     except (ConnectionError, TimeoutError, RuntimeError, ValueError) as e:
         raise ValueError(f"{flag} {address}: cannot reach the Ray cluster "
