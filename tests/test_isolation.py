@@ -487,6 +487,51 @@ def test_arena_allocator_coalesces_and_refuses_when_full():
     assert loads(dumps({"b": big}, arena)[0], arena)["b"].sum() == big.sum()
 
 
+def test_a_closed_arena_sends_in_band():
+    """A sender that raced an engine's close found the arena's view released: a ValueError
+    out of `submit` instead of the engine's Unavailable. A closed arena places nothing."""
+    arena = Arena.create(1 << 16)
+    arena.close()
+    data, regions = dumps({"a": np.arange(8_000)}, arena)
+    assert regions == [] and loads(data, None)["a"].sum() == np.arange(8_000).sum()
+
+
+def test_close_never_closes_the_socket_under_a_write(model_dir, monkeypatch):
+    """A write held up inside the socket (its thread starved, as under load) while `close`
+    kills the child: `close` closed the socket under it, and the write went on with no
+    descriptor (a TypeError out of `submit`) or, had the number been reused by then, into
+    another file. Now the socket closes after the write, which fails UNAVAILABLE."""
+    import xrec.engine.isolated as isolated
+
+    monkeypatch.setattr(isolated, "CLOSE_MARGIN_S", 0.5)
+    engine = Engine.from_pretrained(model_dir, isolation="process", device="cpu")
+    conn, outcomes = engine._link.conn, {}
+    writing, closed = threading.Event(), threading.Event()
+    send = conn._send
+
+    def held_up_send(buf, *args):
+        if threading.current_thread() is writer:
+            writing.set()
+            closed.wait(WAIT_S)     # starved until `close` has returned
+        return send(buf, *args)
+
+    def submit():
+        try:
+            outcomes["writer"] = engine.submit(RecRequest(token_ids=[1, 2], beam_width=1))
+        except Exception as exc:
+            outcomes["writer"] = exc
+    conn._send = held_up_send
+    writer = threading.Thread(target=submit, daemon=True)
+    writer.start()
+    assert writing.wait(WAIT_S)
+    pid = engine.pid
+    engine.close(0.0)
+    closed.set()
+    writer.join(WAIT_S)
+    assert isinstance(outcomes["writer"], Unavailable), outcomes
+    assert _wait_gone(pid)
+
+
 def test_filters_cross_to_the_child_and_answer_as_in_thread(model_dir, engine):
     """A filtered request in a process-isolated engine: the child resolves it on its
     catalog; the answer equals the in-process engine's, unknown-id count included."""

@@ -29,7 +29,7 @@ Region = tuple[int, int]      # (offset, nbytes)
 
 
 class Arena:
-    """A shared-memory file mapped here; `allocate`/`free` are the parent's side only."""
+    """A shared-memory file mapped here; `place`/`free` are the parent's side only."""
 
     def __init__(self, fd: int, size: int):
         self.fd, self.size = fd, size
@@ -47,16 +47,22 @@ class Arena:
             os.close(fd)
             raise
 
-    def allocate(self, nbytes: int) -> int | None:
-        """The offset of a free region of `nbytes` (first fit), or None when none is free."""
-        need = -(-nbytes // ALIGN) * ALIGN
+    def place(self, raw: memoryview) -> int | None:
+        """`raw` copied into a free region (first fit): its offset, or None when none is
+        free or the arena is closed. The copy is made under the lock `close` takes: a
+        sender racing an engine's close sends in-band instead of writing into a released
+        view."""
+        need = -(-raw.nbytes // ALIGN) * ALIGN
         with self._lock:
+            if self.fd < 0:
+                return None
             for index, (offset, length) in enumerate(self._free):
                 if length >= need:
                     if length == need:
                         del self._free[index]
                     else:
                         self._free[index] = (offset + need, length - need)
+                    self.view[offset:offset + raw.nbytes] = raw
                     return offset
         return None
 
@@ -80,11 +86,12 @@ class Arena:
 
     def close(self) -> None:
         """Unmap and close the file; idempotent (a closed fd's number may be reused)."""
-        if self.fd < 0:
-            return
-        self.view.release()
-        os.close(self.fd)
-        self.fd = -1
+        with self._lock:
+            if self.fd < 0:
+                return
+            self.view.release()
+            os.close(self.fd)
+            self.fd = -1
 
 
 def dumps(message: Any, arena: Arena | None) -> tuple[bytes, list[Region]]:
@@ -96,10 +103,9 @@ def dumps(message: Any, arena: Arena | None) -> tuple[bytes, list[Region]]:
         raw = buffer.raw()
         if arena is None or raw.nbytes < ARENA_MIN_BYTES:
             return True                                # in-band
-        offset = arena.allocate(raw.nbytes)
+        offset = arena.place(raw)
         if offset is None:
             return True
-        arena.view[offset:offset + raw.nbytes] = raw
         regions.append((offset, raw.nbytes))
         return False
 
