@@ -587,10 +587,10 @@ def _shut_down_child(link: _Link, threads: tuple[threading.Thread, ...], grace_s
     # a call would go on with a closed descriptor, whose number another file may hold by
     # then. With the child gone, a write fails at once; a thread that has not got that far
     # within the margin (starved) leaves the socket to the garbage collector.
-    is_read = not any(t.is_alive() for t in threads if t is not threading.current_thread())
+    reads_ended = not any(t.is_alive() for t in threads if t is not threading.current_thread())
     if link.send_lock.acquire(timeout=CLOSE_MARGIN_S):
         try:
-            if is_read:
+            if reads_ended:
                 link.conn.close()
         finally:
             link.send_lock.release()
