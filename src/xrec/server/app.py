@@ -57,7 +57,9 @@ class _Gate:
     closes the connection after an answer given before the request's body was read (a 401,
     a 413 on the declared size): on a kept-alive connection uvicorn went on reading and
     dropping that body, however large, until the body timeout; closed, the drop is bounded
-    (limits.py, the lingering close)."""
+    (limits.py, the lingering close). Answers given while the server drains close their
+    connection too: a client that sent its next request on it as the drain ended had it
+    dropped unanswered (uvicorn closes idle kept-alive connections when it stops)."""
 
     def __init__(self, app: Any, service: XrecService):
         self.app, self.service = app, service
@@ -65,9 +67,8 @@ class _Gate:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if _has_body(scope["headers"]):
-            receive, send = _closing_if_unread(receive, send)
         service = self.service
+        receive, send = _closing_if_unread_or_draining(receive, send, _has_body(scope["headers"]), service)
         service.num_in_flight += 1
         try:
             key = service.api_key
@@ -90,10 +91,11 @@ def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
     return False
 
 
-def _closing_if_unread(receive: Any, send: Any) -> tuple[Any, Any]:
-    """`receive` and `send` such that a response that starts before the last body chunk was
-    received carries `Connection: close`."""
-    is_read = False
+def _closing_if_unread_or_draining(receive: Any, send: Any, has_body: bool,
+                       service: XrecService) -> tuple[Any, Any]:
+    """`receive` and `send` such that a response carries `Connection: close` when it starts
+    before the last body chunk was received (`has_body`), or while `service` drains."""
+    is_read = not has_body
 
     async def reading() -> dict:
         nonlocal is_read
@@ -103,12 +105,12 @@ def _closing_if_unread(receive: Any, send: Any) -> tuple[Any, Any]:
         return message
 
     async def sending(message: dict) -> None:
-        if message["type"] == "http.response.start" and not is_read:
+        if message["type"] == "http.response.start" and (not is_read or service.is_draining):
             message = {**message, "headers": [*message.get("headers", ()),
                                               (b"connection", b"close")]}
         await send(message)
 
-    return reading, sending
+    return (reading if has_body else receive), sending
 
 
 def _is_authorized(scope: dict, key: bytes) -> bool:
