@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 httpx = pytest.importorskip("httpx")
-pytest.importorskip("uvicorn")
+uvicorn = pytest.importorskip("uvicorn")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from test_server import ServerThread, wait_until  # noqa: E402
@@ -411,6 +411,39 @@ def test_admin_routes(engine, tmp_path):
             assert restored["previous"]["content_hash"] == catalog_of(13).content_hash()
     finally:
         server.stop()
+
+
+def test_a_load_cancelled_by_the_shutdown_is_answered_unavailable(engine, tmp_path):
+    """A load still running when uvicorn's graceful shutdown timed out (here: waiting to let
+    go of the previous catalog, which a held batch still runs on) had its handler cancelled
+    and was answered uvicorn's plain-text 500 ("Internal Server Error", and a traceback in
+    the log). It is 503 UNAVAILABLE in the error shape, as a completion's handler is."""
+    app = create_app(engine, api_key=API_KEY, catalog_dir=tmp_path)
+    config = uvicorn.Config(app, log_level="critical", lifespan="off", access_log=False,
+                            timeout_graceful_shutdown=1)
+    server = ServerThread(app, config=config)
+    gate, answers = engine.executor.fault, []
+    try:
+        held = engine.submit(RecRequest(token_ids=[4, 5], beam_width=8, request_id="hold-s"))
+        assert gate.entered.wait(WAIT_S)
+        engine.load_catalog(catalog_of(20))   # the held batch's catalog is the previous now
+        path = write(catalog_of(21), tmp_path / "c.bin")
+        loader = threading.Thread(target=lambda: answers.append(httpx.post(
+            server.url + "/v1/admin/catalog", json={"path": path}, headers=AUTH,
+            timeout=WAIT_S)), daemon=True)
+        loader.start()
+        assert wait_until(lambda: engine.previous_catalog_version is None, WAIT_S)  # it waits
+        app.state.xrec.begin_drain()
+        server.server.should_exit = True   # 1 s later uvicorn cancels the load's handler
+        loader.join(WAIT_S)
+        assert answers, "the load was not answered"
+        assert answers[0].status_code == 503, answers[0].text
+        assert answers[0].json()["error"]["code"] == "UNAVAILABLE"
+    finally:
+        gate.release.set()
+        server.thread.join(WAIT_S)
+    assert held.result(timeout=WAIT_S).results
+    assert not server.thread.is_alive()
 
 
 def test_hot_reload_under_load(model_dir, tmp_path):

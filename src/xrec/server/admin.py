@@ -39,7 +39,9 @@ Decisions where the issue is silent:
   reads the new file (two catalogs in memory at most), so after a load refused by the
   catalog's own checks there is nothing to restore (one refused by the file checks
   above, before reading, keeps it). Restore with nothing to restore: 404 NOT_FOUND.
-- While the model loads or the server drains: 503, as the completion routes.
+- While the model loads or the server drains: 503, as the completion routes. A load or
+  restore still running when uvicorn's graceful shutdown times out and cancels its handler
+  is answered 503 too (the change itself runs on to its end on the catalog thread).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from xrec.api_types import CatalogVersion
-from xrec.errors import Internal, InvalidArgument, NotFound, XrecError
+from xrec.errors import Cancelled, Internal, InvalidArgument, NotFound, Unavailable, XrecError
 from xrec.server import schemas
 from xrec.server.service import XrecService, error_response, read_body
 from xrec.utils.files import LONE_SURROGATE, FileRefused, check_regular_file
@@ -179,6 +181,15 @@ async def _change(service: XrecService, action: str | None,
             answer = _versions(*await change(engine))
     except XrecError as e:
         code, answer = e.code, error_response(e)
+    except asyncio.CancelledError:
+        # uvicorn cancels a handler still running when its graceful shutdown times out (a
+        # load that outlasts the drain): an answer in the error shape, as service.complete's,
+        # never uvicorn's plain-text 500. The catalog thread cannot be stopped.
+        what = "the request" if action is None else \
+            f"the catalog {action} was not waited for (it may still be applied)"
+        error = Unavailable(f"server is shutting down; {what}") if service.is_draining else \
+            Cancelled(f"the handler was cancelled; {what}")
+        code, answer = error.code, error_response(error)
     except Exception as e:  # a server bug: answer it, keep serving
         logger.exception("catalog %s failed", action or "read")
         code, answer = Internal.code, error_response(Internal(f"{type(e).__name__}: {e}"))
