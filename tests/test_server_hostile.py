@@ -29,7 +29,8 @@ np = pytest.importorskip("numpy")
 
 from test_server import (API_KEY, D_MODEL, NATIVE, VALID, WAIT_S, XLLM, Gate,  # noqa: E402
                          ServerThread, assert_error, b64, embedding, engine, gate,  # noqa: F401
-                         metric, model_dir, post_in_thread, start_serve, wait_until)
+                         metric, model_dir, post_in_thread, raw_post, read_response,
+                         start_serve, wait_until)
 
 from xrec import Engine  # noqa: E402
 from xrec.demo import write_random_model  # noqa: E402
@@ -603,6 +604,33 @@ def test_requests_unfinished_after_the_grace_period_get_503_json(model_dir):
         assert not running.thread.is_alive(), "server did not stop after the drain"
     finally:
         gate.release.set()
+        if running.thread.is_alive():
+            running.stop()
+        engine.close(5)
+
+
+def test_a_body_still_arriving_when_the_drain_ends_gets_503_at_once(model_dir, caplog):
+    """A client whose body was still arriving when the drain ended (a slow or stalled
+    upload) held the shutdown: the drain waited its HTTP tail for that request (10 s, then
+    "1 HTTP request(s) still open after the drain"), uvicorn its graceful timeout (10 s
+    more), and only then was the handler cancelled. It is answered 503 when the drain
+    ends, as a request waiting for its answer is, and the server stops."""
+    engine = Engine.from_pretrained(model_dir, isolation="thread", device="cpu")
+    running = limited_server(engine, grace_s=0.2)
+    try:
+        body = json.dumps(VALID).encode()
+        sock = raw_post(running.port, f"POST {NATIVE} HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                        f"application/json\r\nContent-Length: {len(body)}\r\n\r\n", body[:5])
+        assert wait_until(lambda: running.server.service.num_in_flight == 1)   # reading it
+        running.server.handle_exit(signal.SIGTERM, None)
+        status, answer = read_response(sock)
+        assert status == 503 and answer["error"]["code"] == "UNAVAILABLE", answer
+        assert "body" in answer["error"]["message"]
+        sock.close()
+        running.thread.join(WAIT_S)
+        assert not running.thread.is_alive(), "server did not stop after the drain"
+        assert "still open after the drain" not in caplog.text
+    finally:
         if running.thread.is_alive():
             running.stop()
         engine.close(5)

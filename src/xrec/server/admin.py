@@ -62,7 +62,7 @@ from pydantic import BaseModel
 from xrec.api_types import CatalogVersion
 from xrec.errors import Cancelled, Internal, InvalidArgument, NotFound, Unavailable, XrecError
 from xrec.server import schemas
-from xrec.server.service import XrecService, error_response, read_body
+from xrec.server.service import XrecService, error_response
 from xrec.utils.files import LONE_SURROGATE, FileRefused, check_regular_file
 
 if TYPE_CHECKING:
@@ -154,7 +154,7 @@ def add_catalog_routes(app: FastAPI, service: XrecService,
             if files is None:
                 raise NotFound("catalog loads are off on this server: start it with "
                                "--catalog-dir DIR to load catalog files from DIR")
-            body = await read_body(request, MAX_ADMIN_BODY_BYTES)
+            body = await service.read_body(request, MAX_ADMIN_BODY_BYTES)
             parsed = schemas.parse_body(body, CatalogLoadRequest)
             return await on_changes_thread(engine, files.load, engine, parsed.path,
                                            parsed.extended)

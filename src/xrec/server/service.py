@@ -21,8 +21,9 @@ Decisions where docs/serving.md leaves a choice (the routes' own are in `app.py`
   are no faster, and each holds its parse memory). A handler cancelled meanwhile cannot
   stop that thread; the request the thread submits is cancelled (`_Submission`).
 - Shutdown: requests whose answer is not ready when the drain's grace period ends are
-  answered 503 UNAVAILABLE (`abandon_unfinished`); a handler that the server cancels
-  answers 503 too, never uvicorn's plain-text 500.
+  answered 503 UNAVAILABLE (`abandon_unfinished`), and so are those whose body is still
+  arriving then; a handler that the server cancels answers 503 too, never uvicorn's
+  plain-text 500.
 - The client going away while its request waits or runs cancels it (a waiting request
   is dropped by the scheduler; a running batch finishes and the answer is dropped); it
   is counted as CANCELLED and answered 499 (which nobody reads). A client that goes
@@ -126,6 +127,27 @@ class XrecService:
         for waiter in list(self._waiters):
             waiter.cancel()
 
+    async def read_body(self, request: Request, limit: int) -> bytes:
+        """`read_body`, given up with UNAVAILABLE when the drain's grace period ends first
+        (`abandon_unfinished`): a client still sending its body then (a slow or stalled
+        upload) held the shutdown for the HTTP tail and uvicorn's graceful timeout, 20 s
+        past the grace period, before its handler was cancelled."""
+        self._loop = asyncio.get_running_loop()
+        abandoned = Unavailable("server is shutting down; the request's body had not "
+                                "arrived when the drain ended")
+        if self.is_abandoned:
+            raise abandoned
+        reading = asyncio.ensure_future(read_body(request, limit))
+        self._waiters.add(reading)
+        try:
+            return await reading
+        except asyncio.CancelledError:
+            if self.is_abandoned:
+                raise abandoned from None
+            raise
+        finally:
+            self._waiters.discard(reading)
+
     # ---- completions -----------------------------------------------------
 
     async def complete(self, request: Request, api: str) -> Response:
@@ -134,7 +156,7 @@ class XrecService:
         self._loop = asyncio.get_running_loop()
         try:
             engine = self._engine_or_503()
-            body = await read_body(request, self.max_body_bytes)
+            body = await self.read_body(request, self.max_body_bytes)
             if len(body) > THREAD_PARSE_BYTES:
                 async with self._big_parses:
                     parsed, request_id, future, input_len = await self._accept_on_thread(
