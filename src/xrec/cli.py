@@ -101,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="from a request's first byte to the end of its head, else 408 "
                         "(default 10)")
     limits.add_argument("--body-timeout-s", type=float, default=None,
-                        help="from the end of the head to the end of the body, else 408 "
-                        "(default 60)")
+                        help="from the end of the head to the end of the body, else 408; "
+                        "also how long an answer may wait for a client that reads none of "
+                        "it, else the connection is aborted (default 60)")
     limits.add_argument("--keep-alive-s", type=float, default=None,
                         help="an idle connection is closed after this long (default 5)")
     limits.add_argument("--max-connections", type=int, default=None,

@@ -17,7 +17,11 @@ app (so before auth):
   being answered (a pipelining client): its clock starts again then.
 - `body_timeout_s`: from the end of the head until the body is complete; past it 408
   (slow-body clients). Not counted while the server itself holds the reading back
-  (flow control, a pipelined request waiting its turn).
+  (flow control, a pipelined request waiting its turn). It also bounds a stalled answer:
+  a client that reads nothing while the answer's writing waits for it (the write buffer
+  over its high-water mark) is cut off after this long (the connection is aborted, its
+  requests see a disconnect). Without it such a client held its connection, and the
+  handler writing to it, for good: enough of them held every `max_connections` slot.
 - `keep_alive_s`: a connection with no request in progress is closed after this long,
   also before its first request (uvicorn arms it only after a response). Only a request's
   beginning stops it: uvicorn stopped it at any byte, so a lone CRLF (which the parser
@@ -152,6 +156,7 @@ class LimitedProtocol(HttpToolsProtocol):
         self._num_dropped = 0          # bytes read and dropped while lingering
         self._held_refusal: tuple | None = None   # a 431 waiting for the answer before it
         self._cycles: list[Any] = []   # this connection's requests not yet answered
+        self._write_deadline: asyncio.TimerHandle | None = None   # a stalled answer's cut-off
         self._stash: list[bytes] = []  # read while a pipelined request waits its turn
         self._num_stashed = 0          # bytes in the stash
 
@@ -170,6 +175,7 @@ class LimitedProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_deadline()
+        self._cancel_write_deadline()
         self._disconnect_cycles()
         if self._is_lingering:
             self.shared.num_lingering -= 1
@@ -216,6 +222,27 @@ class LimitedProtocol(HttpToolsProtocol):
                 and not self._is_lingering and self._held_refusal is None
                 and not self.transport.is_closing()):
             self._refuse_head()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_deadline is None:
+            self._write_deadline = self.loop.call_later(self.limits.body_timeout_s,
+                                                        self._write_timed_out)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._cancel_write_deadline()
+
+    def _cancel_write_deadline(self) -> None:
+        if self._write_deadline is not None:
+            self._write_deadline.cancel()
+            self._write_deadline = None
+
+    def _write_timed_out(self) -> None:
+        """The client read nothing of an answer for `body_timeout_s` (module docstring)."""
+        self._write_deadline = None
+        self._count("write_timeout")
+        self.transport.abort()   # close() would wait for the client to read what is buffered
 
     def eof_received(self) -> bool | None:
         return None  # the transport closes itself (also ends a lingering refusal early)
