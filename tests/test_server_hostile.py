@@ -400,12 +400,17 @@ def test_connections_over_the_cap_are_refused_cleanly(engine):
     running.stop()
 
 
-def test_a_client_that_reads_nothing_of_its_answers_is_cut_off(engine):
-    """A client that sent its requests and read none of the answers held its connection, and
-    the handler writing to it, for good: no deadline covered a stalled answer, so such
-    clients could hold every slot of `--max-connections` (here the only one: every other
-    client 503). The answer's writing may stall for the body timeout, then the connection
-    is aborted."""
+@pytest.mark.parametrize("num_requests, beam_width, connection", [
+    (20, 512, "keep-alive"),   # ~2 MB of answers: the handler waits to write
+    (1, 256, "close"),         # ~47 KB, under the write buffer's high-water mark: the close waits
+])
+def test_a_client_that_reads_nothing_of_its_answers_is_cut_off(engine, num_requests, beam_width,
+                                                                connection):
+    """A client that sent its requests and read none of the answers held its connection for
+    good, whether the handler waited to write more or the answer was all written and the
+    close waited for it to go out: no deadline covered a write, so such clients could hold
+    every slot of `--max-connections` (here the only one: every other client 503). The
+    answer may wait for the client for the body timeout, then the connection is aborted."""
     running = limited_server(engine, max_connections=1, body_timeout_s=0.5)
     running.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)   # connections inherit it
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -413,10 +418,11 @@ def test_a_client_that_reads_nothing_of_its_answers_is_cut_off(engine):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # takes little in
         sock.settimeout(WAIT_S)
         sock.connect(("127.0.0.1", running.port))
-        body = json.dumps({"token_ids": [1, 2, 3], "beam_width": 512}).encode()
-        request = (f"POST {NATIVE} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body
-        sock.sendall(request * 20)   # ~2 MB of answers, more than the socket buffers hold
+        body = json.dumps({"token_ids": [1, 2, 3], "beam_width": beam_width}).encode()
+        request = (f"POST {NATIVE} HTTP/1.1\r\nHost: x\r\nConnection: {connection}\r\n"
+                   f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                   ).encode() + body
+        sock.sendall(request * num_requests)
         assert wait_until(lambda: _health(running.url) == 200), "the slot was never freed"
         assert running.server.config.app.state.xrec.num_in_flight == 0
         assert refusals(running.url, "write_timeout") == 1

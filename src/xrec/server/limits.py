@@ -18,10 +18,10 @@ app (so before auth):
 - `body_timeout_s`: from the end of the head until the body is complete; past it 408
   (slow-body clients). Not counted while the server itself holds the reading back
   (flow control, a pipelined request waiting its turn). It also bounds a stalled answer:
-  a client that reads nothing while the answer's writing waits for it (the write buffer
-  over its high-water mark) is cut off after this long (the connection is aborted, its
-  requests see a disconnect). Without it such a client held its connection, and the
-  handler writing to it, for good: enough of them held every `max_connections` slot.
+  a client that reads nothing of an answer waiting in the write buffer (a handler waiting
+  to write more, or a close waiting for the answer's end to go out) is cut off after this
+  long (the connection is aborted, its requests see a disconnect). Without it such a
+  client held its connection for good: enough of them held every `max_connections` slot.
 - `keep_alive_s`: a connection with no request in progress is closed after this long,
   also before its first request (uvicorn arms it only after a response). Only a request's
   beginning stops it: uvicorn stopped it at any byte, so a lone CRLF (which the parser
@@ -225,29 +225,44 @@ class LimitedProtocol(HttpToolsProtocol):
 
     def pause_writing(self) -> None:
         super().pause_writing()
-        if self._write_deadline is None:
-            self._write_deadline = self.loop.call_later(self.limits.body_timeout_s,
-                                                        self._write_timed_out)
+        self._watch_writes()
 
     def resume_writing(self) -> None:
         super().resume_writing()
-        self._cancel_write_deadline()
+        self._watch_writes(restart=True)   # the client read: its clock starts again
+
+    def _watch_writes(self, restart: bool = False) -> None:
+        """While answer bytes wait in the transport's buffer (a handler waiting to write, or a
+        close waiting for them to go out), cut the connection off if the client reads none
+        of them for `body_timeout_s` (module docstring)."""
+        if restart:
+            self._cancel_write_deadline()
+        if self._write_deadline is None and self.transport.get_write_buffer_size():
+            self._write_deadline = self.loop.call_later(
+                self.limits.body_timeout_s, self._write_timed_out,
+                self.transport.get_write_buffer_size())
 
     def _cancel_write_deadline(self) -> None:
         if self._write_deadline is not None:
             self._write_deadline.cancel()
             self._write_deadline = None
 
-    def _write_timed_out(self) -> None:
-        """The client read nothing of an answer for `body_timeout_s` (module docstring)."""
+    def _write_timed_out(self, num_buffered: int) -> None:
         self._write_deadline = None
-        self._count("write_timeout")
-        self.transport.abort()   # close() would wait for the client to read what is buffered
+        left = self.transport.get_write_buffer_size()
+        if left and left < num_buffered:   # the client reads, slowly: watch on
+            self._watch_writes()
+        elif left:
+            self._count("write_timeout")
+            self.transport.abort()   # close() would wait for the client to read them
 
     def eof_received(self) -> bool | None:
         return None  # the transport closes itself (also ends a lingering refusal early)
 
     def on_response_complete(self) -> None:
+        # the answer's end may wait in the buffer (a close waits for it); an answer written is
+        # progress, so the clock starts again
+        self._watch_writes(restart=True)
         super().on_response_complete()   # starts a pipelined request waiting its turn
         if self._stash and not self.pipeline:
             self.loop.call_soon(self._feed_stash)
@@ -378,6 +393,7 @@ class LimitedProtocol(HttpToolsProtocol):
         self._unset_keepalive_if_required()
         self._is_lingering = True
         self.shared.num_lingering += 1
+        self._watch_writes()   # the refusal may wait in the buffer
         if self.shared.num_lingering > self.limits.max_connections or not \
                 self.transport.can_write_eof():
             self.transport.close()
