@@ -68,7 +68,8 @@ class _Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         service = self.service
-        receive, send = _closing_if_unread_or_draining(receive, send, _has_body(scope["headers"]), service)
+        receive, send = _closing_if_unread_or_draining(receive, send,
+                                                       _has_body(scope["headers"]), service)
         service.num_in_flight += 1
         try:
             key = service.api_key
@@ -92,7 +93,7 @@ def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
 
 
 def _closing_if_unread_or_draining(receive: Any, send: Any, has_body: bool,
-                       service: XrecService) -> tuple[Any, Any]:
+                                   service: XrecService) -> tuple[Any, Any]:
     """`receive` and `send` such that a response carries `Connection: close` when it starts
     before the last body chunk was received (`has_body`), or while `service` drains."""
     is_read = not has_body
