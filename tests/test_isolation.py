@@ -18,6 +18,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor, as_completed, wait
 
 import numpy as np
@@ -532,6 +533,31 @@ def test_close_never_closes_the_socket_under_a_write(model_dir, monkeypatch):
     assert _wait_gone(pid)
 
 
+def test_each_refusal_of_a_closed_engine_is_an_error_of_its_own(model_dir):
+    """A closed (or dead) process engine raised its one `Unavailable` to every submission:
+    each raise chained the caller's frames onto that error's traceback, so every refused
+    request's arrays stayed in memory for the engine's life, and the request id the server
+    tags an error with (when it has none) named the first refused request in every later
+    refusal. Now each refusal is an error of its own; the refused request is let go."""
+    engine = Engine.from_pretrained(model_dir, isolation="process", device="cpu")
+    engine.close()
+    arrays, request_ids = [], []
+    for index in range(3):
+        rows = np.ones((4, engine.limits.d_model), np.float32)
+        arrays.append(weakref.ref(rows))
+        try:
+            engine.submit(RecRequest(sparse_embedding=rows, beam_width=1))
+        except Unavailable as exc:
+            request_ids.append(exc.request_id)
+            exc.request_id = exc.request_id or f"q{index}"     # as the server tags it
+        del rows
+    with pytest.raises(Unavailable):
+        engine.catalog_versions()
+    gc.collect()
+    assert request_ids == [None, None, None]
+    assert not [ref for ref in arrays if ref() is not None], "a refused request was kept"
+
+
 def test_filters_cross_to_the_child_and_answer_as_in_thread(model_dir, engine):
     """A filtered request in a process-isolated engine: the child resolves it on its
     catalog; the answer equals the in-process engine's, unknown-id count included."""
@@ -725,3 +751,4 @@ def test_a_send_stuck_on_a_stopped_child_holds_up_neither_submissions_nor_close(
     finally:
         if _is_alive(pid):
             os.kill(pid, signal.SIGKILL)
+

@@ -104,7 +104,7 @@ class _Link:
     hooks: list[Callable] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
-    error: BaseException | None = None      # set once the child is gone
+    error: Unavailable | None = None        # set once the child is gone (raised as `refusal()`)
     shut_down: threading.Event = field(default_factory=threading.Event)   # `_shutdown` ended
     num_holds: int = 0                      # hold_wakeups() not yet released, under `lock`
     # (deadline, seq, request_id, timeout_ms) of submitted requests, a heap under `lock`;
@@ -124,6 +124,13 @@ class _Link:
             heapq.heappush(self.deadlines, entry)
         if first is None or self.deadlines[0][0] < first:
             self.timer_wakeup.notify()
+
+    def refusal(self) -> Unavailable:
+        """`error` (set) as a new exception for one caller to raise: the one instance, raised
+        to every caller, chained each caller's frames onto its traceback (keeping every
+        refused request's arrays for the engine's life), and a request id one caller tagged
+        it with (the server does) named every later refusal."""
+        return type(self.error)(self.error.message)
 
     def watch_deadlines(self) -> None:
         """The deadline timer thread: fails a request the child has not answered by its
@@ -171,7 +178,8 @@ class _Link:
             self.conn.send_bytes(data)
         except (OSError, ValueError):
             self.arena.free(regions)
-            raise self.error or Unavailable("the engine process is gone") from None
+            raise (Unavailable("the engine process is gone") if self.error is None
+                   else self.refusal()) from None
         finally:
             self.send_lock.release()
         return regions
@@ -353,7 +361,7 @@ class ProcessEngine(EngineFrontend):
                 deadlines.append((arrival + timeout_ms / 1000.0, seq, valid.request_id, timeout_ms))
         with link.lock:                 # the child's death is noticed under this lock too
             if link.error is not None:
-                raise link.error
+                raise link.refusal()
             for (seq, _), future in zip(items, futures):
                 link.pending[seq] = (future, shared, as_data)
         try:
@@ -436,7 +444,7 @@ class ProcessEngine(EngineFrontend):
         seq = next(self._seq)
         with self._link.lock:
             if self._link.error is not None:
-                raise self._link.error
+                raise self._link.refusal()
             self._link.calls[seq] = future
         self._link.send(("call", seq, name, args))
         wait_s = timeout_s
