@@ -752,3 +752,36 @@ def test_a_send_stuck_on_a_stopped_child_holds_up_neither_submissions_nor_close(
         if _is_alive(pid):
             os.kill(pid, signal.SIGKILL)
 
+
+def test_a_cancel_beside_a_send_stuck_on_a_stopped_child_gives_up(model_dir, monkeypatch):
+    """`future.cancel()` tells the child in a done-callback, which waited for the socket's
+    lock without bound: beside a write stuck on a stopped child (SIGSTOP, the arena full) a
+    cancel blocked its caller, an event loop cancelling `recommend_async` included, for as
+    long as the child stayed stopped. Now the cancel gives up after SEND_WAIT_S, as a
+    submission does (the child would run the request, and its answer be dropped here)."""
+    import xrec.engine.isolated as isolated
+
+    monkeypatch.setattr(isolated, "SEND_WAIT_S", 0.5)
+    engine = Engine.from_pretrained(model_dir, isolation="process", device="cpu")
+    rows = np.ones((engine.limits.max_input_len, engine.limits.d_model), np.float32)  # 512 KiB
+    arena, pid = engine._link.arena, engine.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        filler = engine.submit_many([RecRequest(sparse_embedding=rows, beam_width=1)
+                                     for _ in range(arena.size // rows.nbytes)])
+        stuck = threading.Thread(daemon=True, target=lambda: wait(engine.submit_many(
+            [RecRequest(sparse_embedding=rows, beam_width=1)]), WAIT_S))
+        stuck.start()
+        deadline = time.monotonic() + WAIT_S
+        while not engine._link.send_lock.locked() and time.monotonic() < deadline:
+            time.sleep(0.01)    # the write has begun (and blocks: the child reads nothing)
+        canceller = threading.Thread(target=filler[0].cancel, daemon=True)
+        canceller.start()
+        canceller.join(WAIT_S)
+        assert not canceller.is_alive(), "cancel() waited on the stuck write"
+        assert filler[0].cancelled() and engine.is_serving
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        engine.close(0.0)
+    stuck.join(WAIT_S)
+    assert not wait(filler, WAIT_S).not_done and not stuck.is_alive()

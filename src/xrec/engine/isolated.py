@@ -160,11 +160,12 @@ class _Link:
     def send(self, message: Any, wait_s: float | None = None) -> list[Region]:
         """`message` to the child; `Unavailable` when the child is gone, or (`wait_s`) when
         its socket stays full, or another message's write holds it, for `wait_s` (a stopped
-        child): then the message is not sent. Only submissions give up so (`SEND_WAIT_S`): a
-        control message must never be lost (a lost "release" would hold the child for good),
-        and a tiny one still fits, since a socket stops polling writable while three quarters
-        of it are free. A write that has begun is not bounded: a large in-band message (the
-        arena full) to a stopped child blocks its caller until the child runs or is killed."""
+        child): then the message is not sent. Only submissions and cancels give up so
+        (`SEND_WAIT_S`): another control message must never be lost (a lost "release" would
+        hold the child for good), and a tiny one still fits, since a socket stops polling
+        writable while three quarters of it are free. A write that has begun is not bounded:
+        a large in-band message (the arena full) to a stopped child blocks its caller until
+        the child runs or is killed."""
         data, regions = dumps(message, self.arena)
         deadline = None if wait_s is None else time.monotonic() + wait_s
         if not self.send_lock.acquire(timeout=-1 if wait_s is None else wait_s):
@@ -526,13 +527,15 @@ def _writable(conn: Connection, timeout_s: float) -> bool:
 
 
 def _cancel_in_child(link: _Link, seq: int, future: Future) -> None:
-    """A done-callback: a request cancelled here is dropped by the child too."""
+    """A done-callback: a request cancelled here is dropped by the child too. It runs in
+    `cancel()` (on an event loop, for `recommend_async`), so it gives up as a submission
+    does (SEND_WAIT_S): a lost cancel costs only the child's work, whose answer is dropped."""
     notify_cancelled(future)   # so that wait() and as_completed() see it done
     if future.cancelled() and link.error is None:
         try:
-            link.send(("cancel", seq))
+            link.send(("cancel", seq), SEND_WAIT_S)
         except Exception:
-            pass  # the child is gone; its pending futures are failed already
+            pass  # the child is gone (its pending futures are failed already) or stopped
 
 
 def _settle(future: Future, value: Any, is_error: bool) -> None:
