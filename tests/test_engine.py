@@ -482,3 +482,31 @@ def test_stats_say_whether_the_engine_takes_work(model_dir):
     finally:
         engine.close(WAIT_S)
     assert not engine.stats().is_serving
+
+
+def test_a_batch_launched_after_close_ended_the_pipelines_is_answered(model_dir):
+    """A user's done-callback held up the scheduler's loop (here a request dropped past its
+    deadline, failed on the loop, in the step that also launched a batch) past `close(0)`'s
+    wait for the loop: `close` ended the pipelines, and the batch launched after that waited
+    in a queue no pipeline read, its requests never answered. Now a batch launched once the
+    pipelines are ending is answered UNAVAILABLE at once."""
+    engine = Engine.from_pretrained(model_dir, isolation="thread", device="cpu")
+    late = engine._schedule(engine.validate(RecRequest(token_ids=[1, 2], beam_width=1,
+                                                       timeout_ms=1)),
+                            False, time.monotonic() - WAIT_S)      # its deadline long passed
+    fresh = engine._schedule(engine.validate(RecRequest(token_ids=[3, 4], beam_width=1)), False,
+                             time.monotonic())
+    on_loop, closed = threading.Event(), threading.Event()
+
+    def held_up(future):       # on the loop, between the drop and the launch
+        on_loop.set()
+        closed.wait(WAIT_S)
+    late.future.add_done_callback(held_up)
+    engine.scheduler.submit_many([late, fresh])
+    assert on_loop.wait(WAIT_S)
+    engine.close(0.0)
+    closed.set()
+    assert isinstance(late.future.exception(WAIT_S), DeadlineExceeded)
+    assert isinstance(fresh.future.exception(WAIT_S), Unavailable)
+    engine.scheduler.thread.join(WAIT_S)
+    assert engine.stats().num_batches_running == 0

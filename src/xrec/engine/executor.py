@@ -110,6 +110,10 @@ class Executor:
         self._busy_lock = threading.Lock()
         self._num_rounds_run = 0
         self._is_stopping = threading.Event()   # close(): batches stop at their next round
+        # close() began: the pipelines end after the batches launched before it, so a batch
+        # launched later is answered here; the lock orders launches against that moment
+        self._is_closed = False
+        self._launch_lock = threading.Lock()
         self._cores: list[FollowFreeCores] = []   # each CPU pipeline's, appended by its thread
         device = model.device
         self._pipelines = [threading.Thread(target=self._serve, args=(device,),
@@ -154,8 +158,21 @@ class Executor:
 
     def launch(self, batch: EngineBatch) -> None:
         """Hand a batch to a free pipeline (the scheduler bounds batches in flight); it runs
-        on `batch.catalog` whatever the engine serves by then."""
-        self._work.put(batch)
+        on `batch.catalog` whatever the engine serves by then. Once `close` has begun (the
+        scheduler's loop held up past close's wait for it) no pipeline would take it: it is
+        answered UNAVAILABLE at once, here."""
+        with self._launch_lock:
+            if not self._is_closed:
+                self._work.put(batch)
+                return
+        now = self.clock()
+        report = BatchReport(batch.num_requests, batch.num_beams, 0.0,
+                             tuple(now - r.enqueued_at for r in batch.requests), now, (),
+                             Unavailable("engine closed before the batch started"))
+        try:
+            self.on_done(batch, report)
+        except Exception:   # as on a pipeline: the caller must not answer the batch again
+            logger.exception("answering a batch of %d requests failed", batch.num_requests)
 
     def close(self, grace_s: float = 30.0) -> None:
         """End the pipelines: batches launched before this run and may finish for up to
@@ -163,8 +180,10 @@ class Executor:
         answered UNAVAILABLE) and the threads are joined, waiting at most STOP_WAIT_S
         for a round to end. Idempotent; from a pipeline thread it does not wait for
         that thread."""
-        for _ in self._pipelines:
-            self._work.put(None)
+        with self._launch_lock:
+            self._is_closed = True
+            for _ in self._pipelines:
+                self._work.put(None)
         others = [t for t in self._pipelines if t is not threading.current_thread()]
         deadline = time.monotonic() + max(0.0, grace_s)
         for thread in others:
