@@ -785,3 +785,44 @@ def test_a_cancel_beside_a_send_stuck_on_a_stopped_child_gives_up(model_dir, mon
         engine.close(0.0)
     stuck.join(WAIT_S)
     assert not wait(filler, WAIT_S).not_done and not stuck.is_alive()
+
+
+def test_submissions_give_up_on_a_stopped_child_whatever_the_sockets_number(model_dir,
+                                                                             monkeypatch):
+    """The wait for room in a stopped child's socket used select(), which refuses a
+    descriptor numbered 1024 or more (a host with many files open); the refusal read as
+    room, and the submission blocked in the write for as long as the child stayed stopped.
+    Now the wait polls, and a submission gives up after SEND_WAIT_S whatever the number."""
+    import resource
+
+    import xrec.engine.isolated as isolated
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 1200:
+        pytest.skip("needs 1200 open files (ulimit -n)")
+    monkeypatch.setattr(isolated, "SEND_WAIT_S", 0.5)
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]    # a busy host's files
+    engine = None
+    try:
+        engine = Engine.from_pretrained(model_dir, isolation="process", device="cpu")
+        assert engine._link.conn.fileno() >= 1024
+        os.kill(engine.pid, signal.SIGSTOP)
+        refused: list = []
+
+        def flood() -> None:
+            for _ in range(100_000):
+                try:
+                    engine.submit(RecRequest(token_ids=[1, 2], beam_width=1))
+                except Unavailable as exc:
+                    refused.append(exc)
+                    return
+        flooder = threading.Thread(target=flood, daemon=True)
+        flooder.start()
+        flooder.join(WAIT_S)
+        assert not flooder.is_alive() and refused, "submit blocked on the stopped child"
+        assert "read none of its messages" in str(refused[0])
+    finally:
+        for fd in held:
+            os.close(fd)
+        if engine is not None:
+            os.kill(engine.pid, signal.SIGCONT)
+            engine.close(0.0)

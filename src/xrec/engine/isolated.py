@@ -519,9 +519,13 @@ def _not_read(wait_s: float) -> Unavailable:
 def _writable(conn: Connection, timeout_s: float) -> bool:
     """Whether `conn` takes a message within `timeout_s`. A Unix socket polls writable only
     while at most a quarter of its send buffer is queued, so a message then fits without
-    blocking (the arena carries the large buffers)."""
+    blocking (the arena carries the large buffers). poll(), not select(): select refuses a
+    descriptor numbered 1024 or more (a host with many files open), and that refusal read as
+    writable left a stopped child's full socket blocking the sender for good."""
     try:
-        return bool(select.select([], [conn.fileno()], [], timeout_s)[1])
+        poller = select.poll()
+        poller.register(conn.fileno(), select.POLLOUT)
+        return bool(poller.poll(1000.0 * timeout_s))   # an error or hang-up: send_bytes says
     except (OSError, ValueError):   # closed: send_bytes names the reason
         return True
 
