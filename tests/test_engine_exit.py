@@ -122,3 +122,40 @@ def test_sigterm_while_the_model_loads_exits_0(model_dir, tmp_path):
     assert proc.returncode == 0, stderr
     assert not any(word in stderr for word in ABORTED), stderr
     assert "stopped while the model was loading" in stderr
+
+
+# A done-callback closes the engine (its close drains on a thread of its own), then the
+# script exits while the drain still runs a batch.
+CLOSED_FROM_A_CALLBACK = textwrap.dedent("""
+    import sys, threading, time
+    from xrec import Engine, RecRequest
+    engine = Engine.from_pretrained(sys.argv[1], isolation="thread", device="cpu")
+    request = RecRequest(token_ids=[i % 60 for i in range(200)], beam_width=512)
+    first = engine.submit(request)
+    deadline = time.monotonic() + 60
+    while engine.stats().num_pipelines_busy == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    queued = [engine.submit(request) for _ in range(8)]     # batches of their own
+    closing = threading.Event()
+    first.add_done_callback(lambda future: (engine.close(), closing.set()))
+    closing.wait(60)
+    while engine.executor.num_busy == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    print("busy", engine.executor.num_busy, sum(f.done() for f in queued), flush=True)
+    sys.exit(0)
+""")
+
+
+def test_exit_while_a_close_begun_in_a_done_callback_drains_waits_for_it(model_dir):
+    """`close()` in a done-callback returns at once and drains on a thread of its own; that
+    thread was a daemon and the close had taken the engine's exit hook, so nothing waited
+    for the drain at exit: the interpreter finalized with a batch running and the process
+    aborted ("terminate called without an active exception", 134). Now the exit waits for
+    the close (its grace at most), as a `close()` on the main thread would have."""
+    with _reaped([sys.executable, "-c", CLOSED_FROM_A_CALLBACK, str(model_dir)]) as proc:
+        line = proc.stdout.readline().split()
+        assert line[:1] == ["busy"], proc.communicate(timeout=WAIT_S)
+        assert int(line[1]) >= 1, "no batch was running: the exit was not exercised"
+        _, stderr = proc.communicate(timeout=WAIT_S)
+    assert proc.returncode == 0, stderr
+    assert not any(word in stderr for word in ABORTED), stderr

@@ -209,8 +209,10 @@ def off_own_threads(threads: tuple[threading.Thread, ...], close: Callable[..., 
     """`close(*args)` here, or on a new thread when here is one of the engine's `threads`:
     a pipeline cannot wait for the batch it is still finishing, a receiver must go on
     reading the answers of what is drained, and a cyclic collection runs wherever it is
-    triggered, maybe while that thread holds one of the engine's locks."""
+    triggered, maybe while that thread holds one of the engine's locks. That thread is no
+    daemon: the close has taken the engine's exit hook, so the interpreter's exit waits for
+    it (bounded by its grace) instead of finalizing with a batch still running (an abort)."""
     if threading.current_thread() in threads:
-        threading.Thread(target=close, args=args, name="xrec-engine-close", daemon=True).start()
+        threading.Thread(target=close, args=args, name="xrec-engine-close", daemon=False).start()
     else:
         close(*args)
