@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import http.client
 import json
 import math
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -626,12 +628,27 @@ def test_a_cancelled_handler_cancels_the_request_its_parse_submits(engine, gate,
     assert not running.thread.is_alive()
 
 
+@contextlib.contextmanager
+def stopped_by_the_drain(engine: Engine, gate: Gate, running: ServerThread) -> Iterator[None]:
+    """The test's body; then the server has stopped by itself (the drain ended it). In any
+    case the gate opens, the server stops and the engine closes."""
+    try:
+        yield
+        running.thread.join(WAIT_S)
+        assert not running.thread.is_alive(), "server did not stop after the drain"
+    finally:
+        gate.release.set()
+        if running.thread.is_alive():
+            running.stop()
+        engine.close(5)
+
+
 def test_drain_finishes_in_flight_requests(model_dir):
     engine = Engine.from_pretrained(model_dir, isolation="thread", device="cpu", request_queue_size=1)
     gate = engine.executor.fault = Gate()
     app = create_app(engine)
     running = ServerThread(app, DrainingServer, service=app.state.xrec, grace_s=WAIT_S)
-    try:
+    with stopped_by_the_drain(engine, gate, running):
         url = running.url
         results: list = []
         threads = [post_in_thread(url + NATIVE, {**VALID, "request_id": "slow-d"}, results)]
@@ -648,13 +665,6 @@ def test_drain_finishes_in_flight_requests(model_dir):
         for thread in threads:
             thread.join(WAIT_S)
         assert [getattr(r, "status_code", r) for r in results] == [200, 200]
-        running.thread.join(WAIT_S)
-        assert not running.thread.is_alive(), "server did not stop after the drain"
-    finally:
-        gate.release.set()
-        if running.thread.is_alive():
-            running.stop()
-        engine.close(5)
 
 
 def test_answers_given_while_draining_close_their_connection(model_dir):
@@ -667,7 +677,7 @@ def test_answers_given_while_draining_close_their_connection(model_dir):
     gate = engine.executor.fault = Gate()
     app = create_app(engine)
     running = ServerThread(app, DrainingServer, service=app.state.xrec, grace_s=WAIT_S)
-    try:
+    with stopped_by_the_drain(engine, gate, running):
         with httpx.Client(base_url=running.url, timeout=WAIT_S) as slow_client, \
                 httpx.Client(base_url=running.url, timeout=WAIT_S) as client:
             assert client.get("/health").headers.get("connection") != "close"   # kept alive
@@ -684,13 +694,6 @@ def test_answers_given_while_draining_close_their_connection(model_dir):
             gate.release.set()
             slow.join(WAIT_S)
             assert results[0].status_code == 200 and results[0].headers["connection"] == "close"
-        running.thread.join(WAIT_S)
-        assert not running.thread.is_alive(), "server did not stop after the drain"
-    finally:
-        gate.release.set()
-        if running.thread.is_alive():
-            running.stop()
-        engine.close(5)
 
 
 # ---- the real process: xrec serve + SIGTERM ---------------------------------------------

@@ -30,7 +30,7 @@ np = pytest.importorskip("numpy")
 from test_server import (API_KEY, D_MODEL, NATIVE, VALID, WAIT_S, XLLM, Gate,  # noqa: E402
                          ServerThread, assert_error, b64, embedding, engine, gate,  # noqa: F401
                          metric, model_dir, post_in_thread, raw_post, read_response,
-                         start_serve, wait_until)
+                         start_serve, stopped_by_the_drain, wait_until)
 
 from xrec import Engine  # noqa: E402
 from xrec.demo import write_random_model  # noqa: E402
@@ -612,7 +612,7 @@ def test_requests_unfinished_after_the_grace_period_get_503_json(model_dir):
     engine = Engine.from_pretrained(model_dir, isolation="thread", device="cpu")
     gate = engine.executor.fault = Gate()
     running = limited_server(engine, grace_s=0.2)
-    try:
+    with stopped_by_the_drain(engine, gate, running):
         results: list = []
         threads = [post_in_thread(running.url + NATIVE, {**VALID, "request_id": "slow-g"},
                                   results)]
@@ -631,13 +631,6 @@ def test_requests_unfinished_after_the_grace_period_get_503_json(model_dir):
             assert response.headers["content-type"] == "application/json", response.text
             assert_error(response, 503, "UNAVAILABLE")
         assert sorted(r.json()["error"]["request_id"] for r in results) == ["queued-g", "slow-g"]
-        running.thread.join(WAIT_S)
-        assert not running.thread.is_alive(), "server did not stop after the drain"
-    finally:
-        gate.release.set()
-        if running.thread.is_alive():
-            running.stop()
-        engine.close(5)
 
 
 def test_a_body_still_arriving_when_the_drain_ends_gets_503_at_once(model_dir, caplog):
