@@ -166,13 +166,10 @@ class Executor:
                 self._work.put(batch)
                 return
         now = self.clock()
-        report = BatchReport(batch.num_requests, batch.num_beams, 0.0,
-                             tuple(now - r.enqueued_at for r in batch.requests), now, (),
-                             Unavailable("engine closed before the batch started"))
-        try:
-            self.on_done(batch, report)
-        except Exception:   # as on a pipeline: the caller must not answer the batch again
-            logger.exception("answering a batch of %d requests failed", batch.num_requests)
+        self._answer(batch, BatchReport(batch.num_requests, batch.num_beams, 0.0,
+                                        tuple(now - r.enqueued_at for r in batch.requests),
+                                        now, (),
+                                        Unavailable("engine closed before the batch started")))
 
     def close(self, grace_s: float = 30.0) -> None:
         """End the pipelines: batches launched before this run and may finish for up to
@@ -224,11 +221,17 @@ class Executor:
             with self._busy_lock:
                 self._busy -= 1
                 self._bytes_in_use -= batch.workspace_bytes
+        self._answer(batch, report)
+        return True
+
+    def _answer(self, batch: EngineBatch, report: BatchReport[ResponseData]) -> None:
+        """`on_done(batch, report)`; a failure there is logged, never raised: a pipeline lives
+        on to run the batches after this one, and a launch's caller must not answer the
+        batch again."""
         try:
             self.on_done(batch, report)
-        except Exception:   # the pipeline lives on to run the batches after this one
+        except Exception:
             logger.exception("answering a batch of %d requests failed", batch.num_requests)
-        return True
 
     def _run(self, batch: EngineBatch, pipe: _Pipeline) -> BatchReport[ResponseData]:
         started = self.clock()

@@ -126,11 +126,13 @@ class _Link:
             self.timer_wakeup.notify()
 
     def refusal(self) -> Unavailable:
-        """`error` (set) as a new exception for one caller to raise: the one instance, raised
-        to every caller, chained each caller's frames onto its traceback (keeping every
-        refused request's arrays for the engine's life), and a request id one caller tagged
-        it with (the server does) named every later refusal."""
-        return type(self.error)(self.error.message)
+        """`error` as a new exception for one caller to raise (the child gone, whether or not
+        this side has noticed yet): the one instance, raised to every caller, chained each
+        caller's frames onto its traceback (keeping every refused request's arrays for the
+        engine's life), and a request id one caller tagged it with (the server does) named
+        every later refusal."""
+        return Unavailable("the engine process is gone" if self.error is None
+                           else self.error.message)
 
     def watch_deadlines(self) -> None:
         """The deadline timer thread: fails a request the child has not answered by its
@@ -179,8 +181,7 @@ class _Link:
             self.conn.send_bytes(data)
         except (OSError, ValueError):
             self.arena.free(regions)
-            raise (Unavailable("the engine process is gone") if self.error is None
-                   else self.refusal()) from None
+            raise self.refusal() from None
         finally:
             self.send_lock.release()
         return regions
