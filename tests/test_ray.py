@@ -54,6 +54,8 @@ WAIT_S = 120.0
 OPTIONS = {"num_threads": 1}
 SETTINGS = RowSettings(beam_width=4)
 RAY_OPTIONS = RayOptions(actor_cpus=0.5)   # Serve's replicas hold 2 x 0.25 of the 2 CPUs
+# where the reader is the point, not the pool: one actor process to start, not two
+ONE_ACTOR = RayOptions(num_actors=1, actor_cpus=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +170,7 @@ def test_ray_batch_writes_the_in_process_bytes_jsonl(tmp_path, cluster, model_di
     lines[3], lines[20] = "{oops", json.dumps({"id": "u20"})
     (tmp_path / "in.jsonl").write_text("\n".join(lines[:10]) + "\n\n" + "\n".join(lines[10:]) + "\n")
     run_batch(batch_job(tmp_path, model_dir, tmp_path / "in.jsonl", "local"))
-    run_batch_ray(batch_job(tmp_path, model_dir, tmp_path / "in.jsonl", "ray"), RAY_OPTIONS)
+    run_batch_ray(batch_job(tmp_path, model_dir, tmp_path / "in.jsonl", "ray"), ONE_ACTOR)
 
     local, distributed = read_output(tmp_path / "local"), read_output(tmp_path / "ray")
     assert len(local) == 40 and [r["id"] for r in distributed] == [r["id"] for r in local]
@@ -213,7 +215,7 @@ def test_ray_batch_reads_parquet_of_any_name(tmp_path, cluster, model_dir, name,
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / name)
     run_batch(batch_job(tmp_path, model_dir, tmp_path / name, "local", input_format=fmt))
     run_batch_ray(batch_job(tmp_path, model_dir, tmp_path / name, "ray", input_format=fmt),
-                  RayOptions(num_actors=1, actor_cpus=0.5))   # the reader is the point here
+                  ONE_ACTOR)
     assert_same_records(read_output(tmp_path / "ray"), read_output(tmp_path / "local"))
 
 

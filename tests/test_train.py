@@ -23,7 +23,7 @@ from xrec.realdata.data.metrics import ranking_metrics
 from xrec.realdata.ranking import GenerativeRanker
 from xrec.realdata.evaluate.run import EvalOptions, evaluate
 from xrec.realdata.sid.build import build_sid_dir
-from xrec.realdata.train.models import TrainableModel
+from xrec.realdata.train.models import TrainableModel, batches, num_batches
 from xrec.realdata.train.options import TrainOptions
 from xrec.realdata.sequences import SidVocabulary, prompts
 from xrec.realdata.train.trainer import train
@@ -207,6 +207,20 @@ def test_agreement_by_hand():
     assert agreement(fp32, fp32, zero, metrics, k=4)["hr@10_relative_difference"] is None
     with pytest.raises(ValueError, match="expected the same"):
         agreement(fp32, bf16[:1], metrics, metrics, k=4)
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 3, 16])
+def test_batches_hold_every_example_once_and_no_lone_one(batch_size):
+    """A batch of one would be a compiled pass's shape of its own (a second compile), so a
+    lone leftover joins the batch before it; `num_batches` counts what `batches` makes."""
+    for count in range(0, 2 * 50 * batch_size + 3):
+        examples = [[0] * (1 + i % 7) for i in range(count)]
+        made = batches(examples, batch_size, np.random.default_rng(count))
+        assert sorted(id(e) for b in made for e in b) == sorted(id(e) for e in examples)
+        assert len(made) == num_batches(count, batch_size)
+        assert all(len(b) <= batch_size + 1 for b in made)
+        if batch_size > 1 and count > 1:
+            assert min(len(b) for b in made) > 1, (count, [len(b) for b in made])
 
 
 

@@ -292,7 +292,10 @@ def _additive(allowed: torch.Tensor) -> torch.Tensor:
 
 def batches(examples: list, batch_size: int, rng: np.random.Generator) -> list[list]:
     """Shuffled batches; examples of similar length are batched together (less padding):
-    a random order, then sorted by length inside chunks of 50 batches."""
+    a random order, then sorted by length inside chunks of 50 batches. A lone example left
+    over at the end joins the batch before it: a batch of one is a shape of its own to a
+    compiled pass (dynamo specialises sizes of 1), and compiling it again cost a bfloat16
+    run about as much as its first compile (docs/decisions.md, "Training in bfloat16")."""
     order = rng.permutation(len(examples))
     chunk = 50 * batch_size
     out = []
@@ -300,5 +303,13 @@ def batches(examples: list, batch_size: int, rng: np.random.Generator) -> list[l
         part = sorted(order[start:start + chunk], key=lambda i: len(examples[i]))
         out.extend([examples[i] for i in part[b:b + batch_size]]
                    for b in range(0, len(part), batch_size))
+    if batch_size > 1 and len(out) > 1 and len(out[-1]) == 1:
+        out[-2].extend(out.pop())
     rng.shuffle(out)
     return out
+
+
+def num_batches(num_examples: int, batch_size: int) -> int:
+    """How many batches `batches` makes of `num_examples`."""
+    whole, rest = divmod(num_examples, batch_size)
+    return whole + (rest > 1 or (rest == 1 and whole == 0))

@@ -34,7 +34,7 @@ from xrec.engine.threads import FollowFreeCores, training_threads
 from xrec.model.dtype import dtype_name
 from xrec.realdata.data import DataError, Split
 from xrec.realdata.train.average import WeightAverage
-from xrec.realdata.train.models import TrainableModel, batches, model_config
+from xrec.realdata.train.models import TrainableModel, batches, model_config, num_batches
 from xrec.realdata.train.options import TrainOptions
 from xrec.realdata.train.precision import compile_settings, resolve_train_dtype
 from xrec.realdata.sequences import SID_FILES, SidVocabulary, causal_windows, seq2seq_windows
@@ -112,7 +112,7 @@ class _Run:
         num_examples = len(self.examples(0))
         if not num_examples:   # else every epoch ran no step and wrote the untrained model
             raise DataError(_NO_EXAMPLES[config.is_encoder_decoder].format(family=options.family))
-        self.steps_per_epoch = math.ceil(num_examples / options.batch_size)
+        self.steps_per_epoch = num_batches(num_examples, options.batch_size)
 
     # ---- the data of an epoch ------------------------------------------------------------
     def examples(self, epoch: int) -> list:
