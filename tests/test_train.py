@@ -223,7 +223,6 @@ def test_batches_hold_every_example_once_and_no_lone_one(batch_size):
             assert min(len(b) for b in made) > 1, (count, [len(b) for b in made])
 
 
-
 def _signal_after_the_first_epoch(child: subprocess.Popen, state: Path, signum: int) -> tuple:
     """Sends `signum` to a training `child` once its `state` (state.json) says an epoch is
     committed; (stdout, stderr) once it has ended."""
