@@ -171,6 +171,27 @@ def test_cpu_engine_keeps_freed_host_memory_mapped_for_reuse(model_dir):
     assert statistics.median(retained) < 1000, retained
 
 
+_IMPORTS_AFTER_A_REQUEST = """
+import sys
+from xrec import Engine, RecRequest
+with Engine.from_pretrained(sys.argv[1], isolation="thread") as engine:
+    engine.recommend(RecRequest(token_ids=[1, 2, 3], beam_width=8))
+print(sorted(m for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor"))))
+"""
+
+
+@pytest.mark.parametrize("size", ["tiny", "qwen3-sid-tiny"])
+def test_an_engine_starts_and_serves_without_the_compiler_stack(tmp_path, size):
+    """Loading and serving import neither dynamo nor Inductor: the model is built on the
+    `meta` device, and `normal_` there (nn.Embedding's init) imported torch._dynamo, over a
+    second of every engine's start (a process-isolated child, a Ray replica, `xrec serve`).
+    In a fresh process: this one has imported them already."""
+    directory = write_random_model(tmp_path / size, size, seed=0, num_items=50)
+    out = subprocess.run([sys.executable, "-c", _IMPORTS_AFTER_A_REQUEST, str(directory)],
+                         capture_output=True, text=True, timeout=WAIT_S, check=True)
+    assert out.stdout.split("\n")[-2] == "[]", out.stdout
+
+
 def test_failure_in_one_batch_fails_only_that_batch(model_dir):
     with Engine.from_pretrained(model_dir, isolation="thread",
                                 device="cpu", max_seqs_per_batch=1) as engine:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xrec.model.layers import Linear, stacked_linear
+from xrec.model.layers import Embedding, Linear, stacked_linear
 
 
 class Attention(nn.Module):
@@ -32,7 +32,7 @@ class Attention(nn.Module):
         self.v = Linear(d_model, num_kv_heads * head_dim, bias=False)  # pragma: no mutate
         self.o = Linear(num_heads * head_dim, d_model, bias=False)  # pragma: no mutate
         if num_buckets is not None:
-            self.relative_attention_bias = nn.Embedding(num_buckets, num_heads)
+            self.relative_attention_bias = Embedding(num_buckets, num_heads)
 
     def project_q(self, x: torch.Tensor) -> torch.Tensor:
         return self.q(x).unflatten(-1, (self.num_heads, self.head_dim))        # [..., H, Dh]

@@ -83,6 +83,16 @@ def stacked_linear(x: torch.Tensor, projections: tuple[nn.Linear, ...]) -> list[
     return list(linear(x, weight, bias).split([p.weight.shape[0] for p in projections], -1))
 
 
+class Embedding(nn.Embedding):
+    """`nn.Embedding` (same parameter, names and checkpoints) without its random init. xrec
+    builds a model on the `meta` device and then assigns every weight (a checkpoint's, or
+    `random_init`'s draw); `normal_` on a meta tensor imports torch._dynamo, over a second
+    of every engine's start (docs/decisions.md, "An engine's start imports no compiler")."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters, names and checkpoints) computed by `linear`."""
 

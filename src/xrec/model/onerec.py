@@ -18,7 +18,7 @@ from xrec.model.attention import Attention, attend, attend_beams, padding_mask, 
 from xrec.model.family import RecModel, merge_tied_copy
 from xrec.model.inputs import ModelInputs
 from xrec.model.kv import Allocate, BeamKV, CrossKV, PrefixKV
-from xrec.model.layers import GatedFFN, Linear, RMSNorm, relative_position_bucket
+from xrec.model.layers import Embedding, GatedFFN, Linear, RMSNorm, relative_position_bucket
 from xrec.model.moe import MoE
 
 PREFIXES = ("module.module3.t5_model.", "model.")
@@ -152,7 +152,7 @@ class OneRecModel(RecModel):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.shared = nn.Embedding(config.vocab_size, config.d_model)
+        self.shared = Embedding(config.vocab_size, config.d_model)
         self.encoder = Stack(config, is_decoder=False)  # pragma: no mutate
         self.decoder = Stack(config, is_decoder=True)
         if not config.tie_word_embeddings:

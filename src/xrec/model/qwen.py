@@ -22,7 +22,7 @@ from xrec.model.attention import attend, attend_beams, padding_mask, shared_stag
 from xrec.model.family import RecModel, merge_tied_copy
 from xrec.model.inputs import ModelInputs
 from xrec.model.kv import Allocate, BeamKV, PrefixKV
-from xrec.model.layers import Linear, RMSNorm, SwiGLU, stacked_linear
+from xrec.model.layers import Embedding, Linear, RMSNorm, SwiGLU, stacked_linear
 from xrec.model.moe import SparseMoE
 from xrec.model.rope import apply_rope, rope_tables
 from xrec.config.qwen import QwenConfig
@@ -90,7 +90,7 @@ class QwenBody(nn.Module):
 
     def __init__(self, config: QwenConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(QwenLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
