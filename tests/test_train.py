@@ -271,7 +271,8 @@ def test_killed_run_resumes_where_it_stopped(split, sid_dir, tmp_path, options):
 
 def test_ctrl_c_is_one_line_exit_130_and_the_same_command_resumes(sid_dir, tmp_path):
     """Ctrl-C in `xrec train` printed a traceback; now one line that says how to go on, exit
-    130, and the same command again resumes (after the epoch state.json names)."""
+    130, and the same command again resumes (after the epoch state.json names). Its progress
+    bar shows on a terminal only: redirected, it was a stream of carriage returns."""
     walk = walk_interactions()
     data = tmp_path / "walk.csv"
     data.write_text("user_id,item_id,timestamp\n" + "".join(
@@ -291,9 +292,12 @@ def test_ctrl_c_is_one_line_exit_130_and_the_same_command_resumes(sid_dir, tmp_p
         "xrec train: interrupted; the same command again resumes after the last epoch it "
         "finished")
     assert not out.exists() and 1 <= json.loads(state.read_text())["epoch"] < 3
-    resumed = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    # with its progress asked for, and its output a pipe: the epoch's line, no bar (its unit)
+    resumed = subprocess.run([a for a in command if a != "--no-progress"], capture_output=True,
+                             text=True, timeout=120)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming" in resumed.stdout and (out / "model.safetensors").is_file()
+    assert "epoch 3: loss" in resumed.stdout and "batch/s" not in resumed.stderr
 
 class _Killed(Exception):
     """Stands for a kill at a chosen point of a run."""

@@ -14,6 +14,7 @@ from xrec.config import FamilyConfig
 from xrec.model.family import RecModel
 from xrec.model.layers import stack_weights
 from xrec.model.registry import model_class
+from xrec.utils.progress import bar_disabled
 
 _NORMS = ("layer_norm.weight", "layernorm.weight", "norm.weight")
 
@@ -29,7 +30,7 @@ def random_state_dict(config: FamilyConfig, seed: int, progress: bool = False,
     generator = torch.Generator().manual_seed(seed)
     total = sum(s.numel() for s in shapes.values())
     bar = tqdm(total=total, unit="param", unit_scale=True, desc="weights",
-               disable=not progress or total < 50_000_000)
+               disable=True if total < 50_000_000 else bar_disabled(progress))
     tensors = {}
     for name, shape in shapes.items():
         tensors[name] = _draw(name, shape, generator).to(dtype)

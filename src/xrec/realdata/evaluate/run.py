@@ -26,6 +26,7 @@ from xrec.realdata.data.metrics import metrics_table, ranking_metrics, remove_se
 from xrec.realdata.evaluate.agreement import agreement, agreement_table
 from xrec.realdata.train.options import check_seed
 from xrec.utils.files import write_file_atomically
+from xrec.utils.progress import bar_disabled
 
 __all__ = ["EvalOptions", "PUBLISHED", "evaluate"]
 
@@ -248,7 +249,7 @@ def _rank_generative(split, model_dir, options: EvalOptions, users, progress,
         for in_search in in_search_passes:
             desc = f"eval {Path(model_dir).name}" + (", seen excluded" if in_search else "") + \
                 ("" if dtype == "float32" else f", {resolved}")
-            with tqdm(total=len(users), desc=desc, unit="user", disable=not progress,
+            with tqdm(total=len(users), desc=desc, unit="user", disable=bar_disabled(progress),
                       dynamic_ncols=True) as bar:
                 started = time.perf_counter()
                 ranked = ranker.rank(split, options.stage, options.beam_width,

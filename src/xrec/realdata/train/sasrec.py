@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 from xrec.engine.threads import FollowFreeCores, threads_in_this_thread, training_threads
 from xrec.realdata.data.interactions import DataError, Split
+from xrec.utils.progress import bar_disabled
 
 __all__ = ["EpochLog", "SASRecConfig", "SASRecModel", "check_trainable", "rank_sasrec",
            "train_sasrec"]
@@ -353,7 +354,7 @@ def _train(split: Split, seqs: list[np.ndarray], config: SASRecConfig, progress:
         batches = _batches((windows > 0).sum(1), config.batch_size, rng)
         total_loss, total_positions = 0.0, 0
         bar = tqdm(batches, desc=f"sasrec epoch {epoch}/{config.epochs}",
-                   disable=not progress, leave=False, unit="batch")
+                   disable=bar_disabled(progress), leave=False, unit="batch")
         epoch_started = time.perf_counter()
         for rows in bar:
             cores.follow()

@@ -38,6 +38,7 @@ from xrec.realdata.train.models import TrainableModel, batches, model_config, nu
 from xrec.realdata.train.options import TrainOptions
 from xrec.realdata.train.precision import compile_settings, resolve_train_dtype
 from xrec.realdata.sequences import SID_FILES, SidVocabulary, causal_windows, seq2seq_windows
+from xrec.utils.progress import bar_disabled
 
 __all__ = ["TrainOptions", "train"]
 
@@ -254,7 +255,7 @@ class _Run:
             torch.manual_seed(o.seed * 1000 + self.epoch)
             epoch_batches = batches(self.examples(self.epoch), o.batch_size, rng)
             bar = tqdm(epoch_batches, desc=f"epoch {self.epoch + 1}/{o.epochs}",
-                       disable=not progress, unit="batch", dynamic_ncols=True)
+                       disable=bar_disabled(progress), unit="batch", dynamic_ncols=True)
             total_loss = total_targets = 0.0
             for batch in bar:
                 cores.follow()
