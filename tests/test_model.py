@@ -1207,6 +1207,20 @@ def test_every_tensor_is_made_on_the_model_device():
     assert (hidden.device, hidden.shape) == (meta, (3, 2, 32))
 
 
+def test_embeddings_draw_as_torch_does_except_on_meta():
+    """`layers.Embedding` skips the draw only where there are no values (the meta device):
+    a model built on a real device starts as nn.Embedding's would, not from raw memory."""
+    from torch import nn
+
+    from xrec.model.layers import Embedding
+
+    torch.manual_seed(0)
+    ours = Embedding(300, 16).weight
+    torch.manual_seed(0)
+    assert torch.equal(ours, nn.Embedding(300, 16).weight)
+    assert Embedding(300, 16, device="meta").weight.is_meta
+
+
 def test_float32_embeddings_and_contexts_enter_a_bfloat16_model():
     """Sparse embeddings and decoder contexts arrive as float32; a bfloat16 model takes
     them as if they had come in bfloat16."""

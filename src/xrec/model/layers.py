@@ -84,13 +84,15 @@ def stacked_linear(x: torch.Tensor, projections: tuple[nn.Linear, ...]) -> list[
 
 
 class Embedding(nn.Embedding):
-    """`nn.Embedding` (same parameter, names and checkpoints) without its random init. xrec
-    builds a model on the `meta` device and then assigns every weight (a checkpoint's, or
-    `random_init`'s draw); `normal_` on a meta tensor imports torch._dynamo, over a second
-    of every engine's start (docs/decisions.md, "An engine's start imports no compiler")."""
+    """`nn.Embedding` (same parameter, names, checkpoints and init) that skips its random init
+    on the `meta` device, where there are no values to draw: xrec builds a model there and
+    then assigns every weight (a checkpoint's, or `random_init`'s draw), and `normal_` on a
+    meta tensor imports torch._dynamo, over a second of every engine's start
+    (docs/decisions.md, "An engine's start imports no compiler")."""
 
     def reset_parameters(self) -> None:
-        pass
+        if not self.weight.is_meta:
+            super().reset_parameters()
 
 
 class Linear(nn.Linear):
