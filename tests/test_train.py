@@ -299,6 +299,7 @@ def test_ctrl_c_is_one_line_exit_130_and_the_same_command_resumes(sid_dir, tmp_p
     assert "resuming" in resumed.stdout and (out / "model.safetensors").is_file()
     assert "epoch 3: loss" in resumed.stdout and "batch/s" not in resumed.stderr
 
+
 class _Killed(Exception):
     """Stands for a kill at a chosen point of a run."""
 
