@@ -445,10 +445,14 @@ def _ask_every_replica(method: str, num_replicas: int, app_name: str, timeout_s:
     every replica the handle knows is asked at once (Serve's `broadcast`), again until each
     has answered or `timeout_s` is over (a new handle may not know them all yet). One call
     at a time through the handle's router reached a busy replica last, or never: the
-    router sends a call to the less loaded of two replicas, a drained one."""
+    router sends a call to the less loaded of two replicas, a drained one. None to ask: no
+    handle either (Serve refuses one, with a KeyError, for a deployment it has not registered
+    yet: a signal just after the application appeared)."""
     from ray import serve
     from ray.serve.exceptions import RayServeException
 
+    if num_replicas <= 0:
+        return []
     handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app_name)
     seen: dict[int, dict] = {}
     failures: list = []
