@@ -519,8 +519,8 @@ def test_what_the_grace_period_leaves_is_answered_503(own_app, serve_port, model
 def test_a_drain_before_the_deployment_exists_returns_at_once(serve_port):
     """A signal just after the application appeared, before Serve had registered its
     deployment, drained nothing and failed the stop with a KeyError: Serve refuses a handle to
-    a deployment it does not know (a fresh-clone CI run of 2026-12-07, in the test above). No
-    replica runs, so there is no one to ask."""
+    a deployment it does not know (a fresh-clone CI run of 2026-12-07, in the unplaceable
+    replica's test). No replica runs, so there is no one to ask."""
     assert "xrec-never-deployed" not in serve.status().applications
     drain(0.0, app_name="xrec-never-deployed")
     assert replica_infos(0, app_name="xrec-never-deployed") == []
