@@ -27,7 +27,7 @@ serve: $(VENV)/.installed-serve
 	$(VENV)/bin/xrec serve --port $(PORT) --verbose
 
 test: lint $(VENV)/.installed-test
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The architecture contracts ([tool.importlinter]) and the lint rules ([tool.ruff]); `make test`
 # runs both first, and either failing fails it.

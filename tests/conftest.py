@@ -69,9 +69,27 @@ def _module(item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
+# The longest files, longest first (seconds of each file's tests on 2 workers of an AVX2-only
+# AMD EPYC, family 23, 2026-12-07). `make test` hands whole files to its 2 workers in
+# collection order (`--no-loadscope-reorder`; pytest-xdist's default orders them by their
+# number of tests, which put the files of one or a few long tests, ML-100k's 91 s, last,
+# where one worker ran them while the other had nothing left). Longest first, the short
+# files fill both workers' last minutes (docs/decisions.md, "The suite on two workers").
+LONGEST_FIRST = ("test_fusion.py", "test_ray.py", "test_train_precision.py", "test_bench.py",
+                 "test_isolation.py", "test_realdata_ml100k.py", "test_train.py",
+                 "test_server_hostile.py", "test_engine_exit.py", "test_realdata_inputs.py",
+                 "test_model.py", "test_batch.py")
+
+
+def _longest_first(items) -> None:
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_module(item).rsplit("/", 1)[-1], len(rank)))
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     mutant = os.environ.get("MUTANT_UNDER_TEST", "")
     if not mutant or not STATS.is_file():
+        _longest_first(items)   # a stable sort: each file's tests keep their order
         return
     files = next((files for prefix, files in TESTS_OF if mutant.startswith(prefix)), None)
     if files is not None:

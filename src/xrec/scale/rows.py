@@ -34,11 +34,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+import numpy as np
 import orjson
 
 from xrec.api_types import RecRequest, RecResponse
@@ -50,6 +52,11 @@ OUTPUT_COLUMNS = ("id", "tokens", "scores", "items", "error")
 SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl",
             ".json": "jsonl"}
 FORMATS = ("parquet", "jsonl")
+# the deepest line a float id's line is read again at (`_check_float_id`): Python's json takes
+# a level of the interpreter's recursion limit per level of nesting, so without a bound of its
+# own whether a row read depended on that limit, which libraries raise (torch.compile does)
+REREAD_MAX_DEPTH = 512
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 
 
 @dataclass(frozen=True)
@@ -300,17 +307,30 @@ def _check_float_id(row_id: float, line: str | bytes | None, id_column: str) -> 
         raise RowError(None, "INVALID_ARGUMENT", f"id {row_id!r} is not a finite number")
     if line is None or not (row_id.is_integer() and abs(row_id) >= 2 ** 63):
         return
+    too_deep = RowError(None, "INVALID_ARGUMENT",
+                        f"id {row_id!r}: the row nests more than {REREAD_MAX_DEPTH} levels deep, "
+                        "too deep to tell whether the id is an integer past 64 bits; give it "
+                        "as a JSON string")
+    if _nesting_depth(line) > REREAD_MAX_DEPTH:
+        raise too_deep
     try:
         exact = json.loads(line).get(id_column)
-    except RecursionError:
-        raise RowError(None, "INVALID_ARGUMENT",
-                       f"id {row_id!r}: the row nests too deep to tell whether the id is an "
-                       "integer past 64 bits; give it as a JSON string") from None
+    except RecursionError:    # a recursion limit below the bound's needs
+        raise too_deep from None
     if type(exact) is int:
         shown = str(exact) if len(str(exact)) <= 40 else str(exact)[:37] + "..."
         raise RowError(None, "INVALID_ARGUMENT",
                        f"id {shown} is an integer out of the range ids are read in "
                        "[-2**63, 2**64 - 1]; give it as a JSON string")
+
+
+def _nesting_depth(line: str | bytes) -> int:
+    """The deepest nesting of arrays and objects in a JSON text (brackets inside strings do
+    not count)."""
+    data = line.encode("utf-8", "surrogatepass") if isinstance(line, str) else line
+    codes = np.frombuffer(_JSON_STRING.sub(b'""', data), dtype=np.uint8)
+    steps = np.isin(codes, (ord("["), ord("{"))).astype(np.int64) - np.isin(codes, (ord("]"), ord("}")))
+    return int(np.cumsum(steps).max(initial=0))
 
 
 def _check_nested_id(row_id: list | dict) -> None:
