@@ -57,6 +57,8 @@ FORMATS = ("parquet", "jsonl")
 # own whether a row read depended on that limit, which libraries raise (torch.compile does)
 REREAD_MAX_DEPTH = 512
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NESTING_STEP = np.zeros(256, dtype=np.int64)     # by byte: +1 opens a level, -1 closes one
+_NESTING_STEP[[ord("["), ord("{")]], _NESTING_STEP[[ord("]"), ord("}")]] = 1, -1
 
 
 @dataclass(frozen=True)
@@ -329,8 +331,7 @@ def _nesting_depth(line: str | bytes) -> int:
     not count)."""
     data = line.encode("utf-8", "surrogatepass") if isinstance(line, str) else line
     codes = np.frombuffer(_JSON_STRING.sub(b'""', data), dtype=np.uint8)
-    steps = np.isin(codes, (ord("["), ord("{"))).astype(np.int64) - np.isin(codes, (ord("]"), ord("}")))
-    return int(np.cumsum(steps).max(initial=0))
+    return int(np.cumsum(_NESTING_STEP[codes]).max(initial=0))
 
 
 def _check_nested_id(row_id: list | dict) -> None:
