@@ -45,7 +45,6 @@ import select
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import weakref
@@ -57,6 +56,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from xrec.api_types import CatalogVersion, ValidRequest
 from xrec.config.engine import checked_grace_s
+from xrec.engine.forkserver import STATUS_UNKNOWN, ForkedProcess, start_child
 from xrec.engine.frontend import (EngineFrontend, EngineStats, arrival_time as _arrival,
                                   close_once, off_own_threads)
 from xrec.engine.requests import BatchReport, notify_cancelled
@@ -96,7 +96,7 @@ class _Link:
     """The state the receiver thread shares with the engine (never the engine itself, so
     that the engine can be garbage-collected while the thread runs)."""
 
-    process: subprocess.Popen
+    process: subprocess.Popen | ForkedProcess
     conn: Connection
     arena: Arena
     pending: dict[int, tuple[Future, _Regions, bool]] = field(default_factory=dict)  # as_data
@@ -307,9 +307,7 @@ class ProcessEngine(EngineFrontend):
         arena = Arena.create()
         ours, theirs = socket.socketpair()
         try:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "xrec.engine.worker", str(theirs.fileno()), str(arena.fd),
-                 str(arena.size)], pass_fds=(theirs.fileno(), arena.fd), stdin=subprocess.DEVNULL)
+            process = start_child(theirs.fileno(), arena)
         except BaseException:
             arena.close()
             ours.close()
@@ -616,6 +614,8 @@ def _shut_down_child(link: _Link, threads: tuple[threading.Thread, ...], grace_s
 def _describe_exit(code: int | None) -> str:
     if code is None:
         return "still running"
+    if code == STATUS_UNKNOWN:
+        return "exit status unknown: its fork server is gone"
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"

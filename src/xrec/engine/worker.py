@@ -2,7 +2,7 @@
 
     python -m xrec.engine.worker SOCKET_FD ARENA_FD ARENA_BYTES
 
-It builds an ordinary in-process `Engine` and serves the parent's messages (see
+or `serve`, in a child the fork server forked (`zygote.py`). It builds an ordinary in-process `Engine` and serves the parent's messages (see
 `isolated.py` for the protocol) until the parent asks it to close, closes the socket or
 dies. The model loads on a thread that ends, so that no OpenMP team outlives the load:
 the pipelines are this process's only parallel torch work.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import select
 import sys
 import threading
 import time
@@ -34,8 +35,14 @@ logger = logging.getLogger(__name__)
 
 def main(argv: list[str]) -> int:
     socket_fd, arena_fd, arena_bytes = (int(a) for a in argv)
+    return serve(socket_fd, arena_fd, arena_bytes, None)
+
+
+def serve(socket_fd: int, arena_fd: int, arena_bytes: int, owner_pidfd: int | None) -> int:
+    """Load the engine the owner asks for and serve it; the exit code. `owner_pidfd`: a pidfd
+    of the process that owns the engine (None: the parent process)."""
     conn, arena = Connection(socket_fd), Arena(arena_fd, arena_bytes)
-    _exit_with_parent(os.getppid())
+    _exit_with_owner(owner_pidfd)
     model_dir, catalog, catalog_extended, options, log_level = loads(conn.recv_bytes(), None)
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s [child] %(message)s")
     loaded: list[Engine | BaseException] = []
@@ -179,13 +186,20 @@ def _picklable(exc: BaseException) -> BaseException:
         return Internal(f"{type(exc).__name__}: {exc}")
 
 
-def _exit_with_parent(parent: int) -> None:
-    """No orphans: exit when the parent is gone (re-parented), even mid-batch."""
+def _exit_with_owner(owner_pidfd: int | None) -> None:
+    """No orphans: exit when the owner is gone, even mid-batch. The owner is the parent
+    (re-parented: gone), or the process of `owner_pidfd` (readable once it has exited)."""
+    parent = os.getppid()
+
     def watch() -> None:
-        while os.getppid() == parent:
+        if owner_pidfd is not None:
+            poller = select.poll()
+            poller.register(owner_pidfd, select.POLLIN)
+            poller.poll()
+        while owner_pidfd is None and os.getppid() == parent:
             time.sleep(PARENT_POLL_S)
         os._exit(0)
-    threading.Thread(target=watch, name="xrec-parent-watch", daemon=True).start()
+    threading.Thread(target=watch, name="xrec-owner-watch", daemon=True).start()
 
 
 if __name__ == "__main__":
