@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -72,6 +73,21 @@ def test_a_child_is_forked_with_the_directory_output_and_variables_of_its_start(
         assert engine.dtype == "bfloat16" and in_thread.dtype == "bfloat16"
         assert engine.recommend([REQUEST])[0].results == in_thread.recommend([REQUEST])[0].results
     assert "[child] engine ready" in capfd.readouterr().err
+
+
+def test_engines_started_from_many_threads_share_one_fork_server(model_dir):
+    with _start(model_dir):
+        server = forkserver._shared
+    with ThreadPoolExecutor(4) as pool:
+        engines = list(pool.map(lambda _: _start(model_dir), range(4)))
+    try:
+        assert forkserver._shared is server and len({e.pid for e in engines}) == 4
+        assert {_parent_of(e.pid) for e in engines} == {server.process.pid}
+        answers = [e.recommend([REQUEST])[0].results for e in engines]
+        assert all(a == answers[0] for a in answers) and answers[0]
+    finally:
+        for engine in engines:
+            engine.close()
 
 
 def test_a_variable_read_at_import_starts_a_fresh_interpreter(model_dir, monkeypatch):

@@ -182,8 +182,11 @@ class ForkServer:
         return ForkedProcess(struct.unpack("<q", data)[0], fds[0], status_fd)
 
     def stop(self) -> None:
-        """Close its socket (it exits; the children it forked serve on) and reap it."""
-        self.control.close()
+        """Close its socket (it exits; the children it forked serve on) and reap it. Under
+        the lock: another thread's exchange (bounded by ANSWER_TIMEOUT_S) ends first, and
+        never goes on with a closed descriptor whose number another file may hold by then."""
+        with self.lock:
+            self.control.close()
         try:
             self.process.wait(ANSWER_TIMEOUT_S)
         except subprocess.TimeoutExpired:

@@ -45,8 +45,13 @@ def main(argv: list[str]) -> int:
         return 0
     # a terminal's ^C reaches the whole process group: the owner decides what it ends
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import torch
+
     import xrec.engine.engine  # noqa: F401  (the preload: torch, the model, the search)
     import xrec.engine.worker  # noqa: F401
+    if torch.cuda.is_initialized():   # CUDA cannot run in a fork of a process that started it
+        print("xrec fork server: CUDA was initialised by an import; not forking", file=sys.stderr)
+        return 1
     control.send(READY)
     Zygote(control, owner).serve()
     return 0
