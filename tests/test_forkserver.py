@@ -108,6 +108,7 @@ def test_a_killed_fork_server_is_replaced_and_its_childs_exit_is_unknown(model_d
         old = forkserver._shared
         old.process.kill()
         old.process.wait()
+        assert orphan.recommend([REQUEST])[0].results      # its children serve on
         with _start(model_dir) as engine:    # the next start: a new fork server
             assert forkserver._shared is not old
             assert _parent_of(engine.pid) == forkserver._shared.process.pid
