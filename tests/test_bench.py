@@ -294,8 +294,8 @@ def _assert_environment_from_the_start(record: dict, written: Path) -> None:
 
 
 def test_embedded_quick_writes_its_table(home, tmp_path):
-    """Each row in a fresh process, both isolation modes, and the transport measured in
-    one process holding both engines."""
+    """Each row in a fresh process, both isolation modes, and the transport and the
+    process-isolated engine's start measured in one process holding both engines."""
     assert main(["embedded", "--quick", "--out", str(tmp_path), "--no-progress",
                  "--conditions", "alone"]) == 0
     files = {p.suffix: p for p in tmp_path.iterdir()}
@@ -306,9 +306,13 @@ def test_embedded_quick_writes_its_table(home, tmp_path):
     for row in record["rows"]:
         assert len(row["batch_ms_rounds"]) == 1 and row["batch_ms"] > 0
     assert record["rows"][0]["throughput_vs_alone"] == 1.0
-    transport = record["transport"]
+    transport, start = record["transport"], record["start"]
     assert transport["thread_p50_ms"] > 0 and transport["process_p50_ms"] > 0
+    assert start["starts"] == record["settings"]["repeats"] and min(start["first_s"], start["forked_s"], start["fresh_s"]) > 0
+    assert start["fresh_vs_forked"] == pytest.approx(statistics.median(
+        fresh / forked for forked, fresh in zip(start["forked_all_s"], start["fresh_all_s"])))
     assert files[".md"].read_text().startswith("## xrec bench embedded")
+    assert "as a fresh interpreter" in files[".md"].read_text()
     _assert_environment_from_the_start(record, files[".json"])
 
 

@@ -16,13 +16,17 @@ the ratio within each round), and for `host-loop` the
 fraction of its solo speed the host loop kept. The transport overhead is measured in one
 more fresh process that holds both kinds of engine: one W=128 request with a
 256 x d_model embedding, sent to each in turn, the median of the paired differences
-(process minus thread) and each side's p50.
+(process minus thread) and each side's p50. The same process times a process-isolated
+engine's start: its first (which starts the fork server, `xrec.engine.forkserver`), then
+`--repeats` starts forked from the fork server and as fresh interpreters
+(`XREC_FORK_SERVER=off`) in turn, each start's `from_pretrained` alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -70,16 +74,17 @@ def run(args: argparse.Namespace) -> int:
     for row in rows:   # paired by round: rows of one round ran minutes apart, not tens
         row["throughput_vs_alone"] = None if reference is None else statistics.median(
             r / t for r, t in zip(reference["batch_ms_rounds"], row["batch_ms_rounds"]))
-    transport = None
+    transport = start = None
     if set(ISOLATIONS) <= set(args.isolations):
-        print("xrec bench embedded: transport overhead", file=sys.stderr)
-        transport = _measure_in_fresh_process({**base, "condition": "transport"})
+        print("xrec bench embedded: transport overhead and engine start", file=sys.stderr)
+        measured = _measure_in_fresh_process({**base, "condition": "transport"})
+        transport, start = measured["transport"], measured["start"]
     record = {"benchmark": "embedded", "environment": env,
               "settings": {"size": args.size, "items": args.items, "beam_width": args.beam_width,
                            "length": args.length, "num_requests": args.num_requests,
                            "repeats": args.repeats, "rounds": args.rounds,
                            "threads": args.threads},
-              "rows": rows, "transport": transport}
+              "rows": rows, "transport": transport, "start": start}
     write_outputs(output_paths(args.out, "embedded"), record, markdown)
     return 0
 
@@ -121,6 +126,13 @@ def markdown(record: dict) -> str:
         f"{transport['overhead_ms']:.2f} ms (median of paired differences; p50 "
         f"{transport['thread_p50_ms']:.1f} ms in-thread, {transport['process_p50_ms']:.1f} ms "
         "in a child)")
+    start = record.get("start")
+    if start is not None:
+        tail += (f"\n\nEngine start, isolation=\"process\": the first of a process "
+                 f"{start['first_s']:.2f} s (it starts the fork server); then "
+                 f"{start['forked_s']:.2f} s forked from it against {start['fresh_s']:.2f} s as a "
+                 f"fresh interpreter, {start['fresh_vs_forked']:.1f}x (medians of "
+                 f"{start['starts']} starts each, in turn)")
     return title + markdown_table(header, rows) + tail + "\n\n" + \
         environment_markdown(record["environment"])
 
@@ -167,18 +179,22 @@ def measure(setting: dict) -> dict:
 
 def _transport(setting: dict) -> dict:
     """One request with an embedding, to an in-thread and a process-isolated engine in turn
-    (both in this process, loaded on threads that end): the cost of the hop to the child."""
+    (both in this process, loaded on threads that end): the cost of the hop to the child;
+    and the process-isolated engine's start (`_starts`)."""
     import numpy as np
 
     from xrec import Engine, RecRequest
     from xrec.utils.fresh_thread import in_fresh_thread
 
     options = _engine_options(setting)
+    started = time.perf_counter()
+    child = Engine.from_pretrained(setting["model_dir"], isolation="process", **options)
+    first_s = time.perf_counter() - started
     with in_fresh_thread(lambda: Engine.from_pretrained(setting["model_dir"], isolation="thread",
-                                                        **options)) as local, \
-            Engine.from_pretrained(setting["model_dir"], isolation="process", **options) as child:
+                                                        **options)) as local, child:
+        start = {"first_s": first_s, **_starts(setting, options)}
         if not local.limits.accepts_embeddings:
-            return None
+            return {"transport": None, "start": start}
         embedding = np.random.default_rng(setting["seed"]).standard_normal(
             (256, local.limits.d_model), dtype=np.float32)
         request = RecRequest(sparse_embedding=embedding, beam_width=setting["beam_width"])
@@ -189,10 +205,35 @@ def _transport(setting: dict) -> dict:
                 engine.recommend(request)
                 if index:   # the first of each is a warm-up
                     times[name].append(1e3 * (time.perf_counter() - started))
-    return {"overhead_ms": statistics.median(p - t for t, p in zip(times["thread"],
-                                                                    times["process"])),
-            "thread_p50_ms": statistics.median(times["thread"]),
-            "process_p50_ms": statistics.median(times["process"])}
+    return {"transport": {"overhead_ms": statistics.median(p - t for t, p in zip(times["thread"],
+                                                                                 times["process"])),
+                          "thread_p50_ms": statistics.median(times["thread"]),
+                          "process_p50_ms": statistics.median(times["process"])},
+            "start": start}
+
+
+def _starts(setting: dict, options: dict) -> dict:
+    """`repeats` process-isolated engine starts forked from this process's fork server and as
+    many as fresh interpreters, in turn: the medians of `from_pretrained`'s time and of the
+    paired ratio (fresh over forked)."""
+    from xrec import Engine
+    from xrec.engine.forkserver import FORK_SERVER_ENV
+
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    try:
+        for _ in range(setting["repeats"]):
+            for mode in times:
+                os.environ[FORK_SERVER_ENV] = mode
+                started = time.perf_counter()
+                engine = Engine.from_pretrained(setting["model_dir"], isolation="process",
+                                                **options)
+                times[mode].append(time.perf_counter() - started)
+                engine.close()
+    finally:
+        os.environ.pop(FORK_SERVER_ENV, None)
+    return {"forked_s": statistics.median(times["on"]), "fresh_s": statistics.median(times["off"]),
+            "fresh_vs_forked": statistics.median(f / k for k, f in zip(times["on"], times["off"])),
+            "starts": setting["repeats"], "forked_all_s": times["on"], "fresh_all_s": times["off"]}
 
 
 class _HostLoop:
