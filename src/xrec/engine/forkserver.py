@@ -1,9 +1,9 @@
 """The child process of a process-isolated engine: forked from a fork server where it can be.
 
 A fresh interpreter pays for `import torch` and the engine's modules before it loads a model:
-3.11 s against 0.45 s for a child forked from a process that has imported them (a tiny
-engine, medians of 4, 2-core Zen 1; docs/decisions.md, "Engine children from a fork
-server"). So the first process-isolated engine of a process starts a fork server
+a tiny engine's `from_pretrained` took 2.8 s so against 0.36 s forked from a process that
+has imported them (2-core Zen 1; `xrec bench embedded` measures it; docs/decisions.md,
+"Engine children from a fork server"). So the first process-isolated engine of a process starts a fork server
 (`zygote.py`: those imports and nothing else run), and every engine's child, that one's
 included, is forked from it: a later engine, and a new one after a child died, start in a
 fraction of the time.

@@ -2,10 +2,11 @@
 
     python -m xrec.engine.worker SOCKET_FD ARENA_FD ARENA_BYTES
 
-or `serve`, in a child the fork server forked (`zygote.py`). It builds an ordinary in-process `Engine` and serves the parent's messages (see
-`isolated.py` for the protocol) until the parent asks it to close, closes the socket or
-dies. The model loads on a thread that ends, so that no OpenMP team outlives the load:
-the pipelines are this process's only parallel torch work.
+or `serve`, in a child the fork server forked (`zygote.py`). It builds an ordinary
+in-process `Engine` and serves the owner's messages (see `isolated.py` for the protocol)
+until the owner asks it to close, closes the socket or dies. The model loads on a thread
+that ends, so that no OpenMP team outlives the load: the pipelines are this process's only
+parallel torch work.
 """
 
 from __future__ import annotations
@@ -192,12 +193,13 @@ def _exit_with_owner(owner_pidfd: int | None) -> None:
     parent = os.getppid()
 
     def watch() -> None:
-        if owner_pidfd is not None:
+        if owner_pidfd is None:
+            while os.getppid() == parent:
+                time.sleep(PARENT_POLL_S)
+        else:
             poller = select.poll()
             poller.register(owner_pidfd, select.POLLIN)
             poller.poll()
-        while owner_pidfd is None and os.getppid() == parent:
-            time.sleep(PARENT_POLL_S)
         os._exit(0)
     threading.Thread(target=watch, name="xrec-owner-watch", daemon=True).start()
 
