@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 
 import pytest
 
@@ -41,3 +42,20 @@ def waits_in_close(thread: threading.Thread) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def is_alive(pid: int) -> bool:
+    """Process `pid` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pid: int, timeout: float = TIMEOUT_S) -> bool:
+    """Whether process `pid` is gone within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while is_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not is_alive(pid)

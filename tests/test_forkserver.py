@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from bounded import is_alive, wait_gone
 from xrec import Engine, RecRequest, Unavailable
 from xrec.demo import write_random_model
 from xrec.engine import forkserver
@@ -33,21 +34,6 @@ def model_dir(tmp_path_factory):
 def _parent_of(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return int(f.read().split("\nPPid:\t")[1].split()[0])
-
-
-def _is_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return "\nState:\tZ" not in f.read()
-    except FileNotFoundError:
-        return False
-
-
-def _wait_gone(pid: int) -> bool:
-    deadline = time.monotonic() + WAIT_S
-    while _is_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not _is_alive(pid)
 
 
 def _start(model_dir, **options) -> Engine:
@@ -114,7 +100,7 @@ def test_a_killed_fork_server_is_replaced_and_its_childs_exit_is_unknown(model_d
             assert _parent_of(engine.pid) == forkserver._shared.process.pid
             assert engine.recommend([REQUEST])[0].results
         os.kill(orphan.pid, signal.SIGKILL)
-        assert _wait_gone(orphan.pid)
+        assert wait_gone(orphan.pid)
         deadline = time.monotonic() + WAIT_S
         while orphan.is_serving and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -135,9 +121,9 @@ def test_the_fork_server_and_its_children_exit_with_their_owner(model_dir):
     owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in owner.stdout.readline().split()]
-        assert len(pids) == 3 and all(_is_alive(pid) for pid in pids)
+        assert len(pids) == 3 and all(is_alive(pid) for pid in pids)
         assert {_parent_of(pid) for pid in pids[1:]} == {pids[0]}
     finally:
         owner.kill()
         owner.wait()
-    assert all(_wait_gone(pid) for pid in pids)
+    assert all(wait_gone(pid) for pid in pids)

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed, wait
 import numpy as np
 import pytest
 
-from bounded import recommend_within, waits_in_close
+from bounded import is_alive, recommend_within, wait_gone, waits_in_close
 from xrec import DeadlineExceeded, Engine, InvalidArgument, RecRequest, Unavailable
 from xrec.demo import write_random_model
 from xrec.engine.isolated import ProcessEngine
@@ -60,21 +60,6 @@ def _embedding_requests(d_model: int, num: int) -> list[RecRequest]:
             for i in range(num)]
 
 
-def _is_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return "\nState:\tZ" not in f.read()
-    except FileNotFoundError:
-        return False
-
-
-def _wait_gone(pid: int) -> bool:
-    deadline = time.monotonic() + WAIT_S
-    while _is_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not _is_alive(pid)
-
-
 def test_results_equal_in_thread_execution(model_dir, engine):
     requests = _requests(6) + _embedding_requests(engine.limits.d_model, 4)
     with Engine.from_pretrained(model_dir, isolation="thread", device="cpu") as in_thread:
@@ -91,7 +76,7 @@ def test_results_equal_in_thread_execution(model_dir, engine):
         assert all(isinstance(a, ResponseData) for a in answers)
         assert [(a.to_response().results, a.usage) for a in answers] == \
             [(r.results, r.usage) for r in expected]
-    assert isinstance(engine, ProcessEngine) and engine.pid != os.getpid() and _is_alive(engine.pid)
+    assert isinstance(engine, ProcessEngine) and engine.pid != os.getpid() and is_alive(engine.pid)
 
 
 def test_edge_errors_are_raised_here_and_child_errors_keep_their_class(model_dir, engine):
@@ -213,7 +198,7 @@ def test_unmatched_release_raises_here_and_the_child_serves_on(engine):
     engine.hold_wakeups()
     engine.release_wakeups()
     assert engine.recommend(_requests(2))[0].results
-    assert _is_alive(pid)
+    assert is_alive(pid)
 
 
 def test_an_answer_for_no_pending_request_leaves_the_receiver_running(engine):
@@ -289,14 +274,14 @@ def test_close_and_garbage_collection_end_the_child(model_dir):
     pid = engine.pid
     engine.close(grace_s=WAIT_S)
     assert all(f.result(0).results for f in futures)    # close drains what was queued
-    assert _wait_gone(pid)
+    assert wait_gone(pid)
     with pytest.raises(Unavailable):
         engine.submit(RecRequest(token_ids=[1]))
     engine = Engine.from_pretrained(model_dir, isolation="process", device="cpu")
     pid = engine.pid
     del engine
     gc.collect()
-    assert _wait_gone(pid)
+    assert wait_gone(pid)
 
 
 def test_close_from_a_done_callback_drains_what_was_queued(model_dir):
@@ -317,7 +302,7 @@ def test_close_from_a_done_callback_drains_what_was_queued(model_dir):
     assert len(done) == 5
     assert all(f.result(0).results for f in futures)    # close drains what was queued
     assert returned.wait(WAIT_S)
-    assert _wait_gone(engine.pid)
+    assert wait_gone(engine.pid)
     with pytest.raises(Unavailable):
         engine.submit(RecRequest(token_ids=[1]))
 
@@ -376,7 +361,7 @@ def test_close_with_an_unbounded_grace_drains_the_child(model_dir):
     pid = engine.pid
     engine.close(math.inf)
     assert all(f.result(timeout=WAIT_S).results for f in futures)
-    assert _wait_gone(pid)
+    assert wait_gone(pid)
 
 
 def _use_and_drop(model_dir) -> tuple[int, list]:
@@ -398,7 +383,7 @@ def test_a_used_engine_dropped_ends_its_child(model_dir):
         assert all(f.result(0).results for f in futures)
         pids.append(pid)
     gc.collect()
-    assert all(_wait_gone(pid) for pid in pids)
+    assert all(wait_gone(pid) for pid in pids)
 
 
 def test_parent_killed_leaves_no_child(model_dir):
@@ -413,11 +398,11 @@ def test_parent_killed_leaves_no_child(model_dir):
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         child = int(parent.stdout.readline())
-        assert _is_alive(child)
+        assert is_alive(child)
     finally:
         parent.kill()
         parent.wait()
-    assert _wait_gone(child)
+    assert wait_gone(child)
 
 
 ECHO = textwrap.dedent("""
@@ -530,7 +515,7 @@ def test_close_never_closes_the_socket_under_a_write(model_dir, monkeypatch):
     closed.set()
     writer.join(WAIT_S)
     assert isinstance(outcomes["writer"], Unavailable), outcomes
-    assert _wait_gone(pid)
+    assert wait_gone(pid)
 
 
 def test_each_refusal_of_a_closed_engine_is_an_error_of_its_own(model_dir):
@@ -747,9 +732,9 @@ def test_a_send_stuck_on_a_stopped_child_holds_up_neither_submissions_nor_close(
         stuck.join(WAIT_S)
         assert isinstance(outcomes["stuck"], Unavailable), outcomes
         assert all(isinstance(f.exception(WAIT_S), Unavailable) for f in filler)
-        assert _wait_gone(pid)
+        assert wait_gone(pid)
     finally:
-        if _is_alive(pid):
+        if is_alive(pid):
             os.kill(pid, signal.SIGKILL)
 
 
