@@ -61,6 +61,18 @@ def test_a_child_is_forked_with_the_directory_output_and_variables_of_its_start(
     assert "[child] engine ready" in capfd.readouterr().err
 
 
+def test_a_start_from_a_removed_working_directory_still_forks(model_dir, monkeypatch, tmp_path):
+    with _start(model_dir):
+        server = forkserver._shared
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    with _start(model_dir) as engine:
+        assert forkserver._shared is server and _parent_of(engine.pid) == server.process.pid
+        assert engine.recommend([REQUEST])[0].results
+
+
 def test_engines_started_from_many_threads_share_one_fork_server(model_dir):
     with _start(model_dir):
         server = forkserver._shared

@@ -165,7 +165,11 @@ class ForkServer:
         server's; OSError when the fork server fails."""
         status_fd, status_w = os.pipe()
         targets = [fd for fd in (1, 2) if _is_open(fd)]
-        request = pickle.dumps((os.getcwd(), arena.size, targets, environment))
+        try:
+            cwd: str | None = os.getcwd()
+        except OSError:       # removed: the child keeps the fork server's, as it cannot follow
+            cwd = None
+        request = pickle.dumps((cwd, arena.size, targets, environment))
         try:
             with self.lock:
                 self.control.settimeout(ANSWER_TIMEOUT_S)

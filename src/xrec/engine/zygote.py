@@ -4,20 +4,23 @@
 
 Started by `forkserver.ForkServer` with its owner's environment. It imports what an engine
 child needs (torch, `xrec.engine.engine`) and runs no torch op, so that it holds no OpenMP
-team, no CUDA context and no thread of its own to copy into a fork. Then it serves its owner
-over CONTROL_FD (a SOCK_SEQPACKET socket; the owner's lock keeps one exchange at a time):
+team and no CUDA context to copy into a fork, and no thread of its own (OpenBLAS's pool,
+which numpy's import starts, stops and restarts around a fork itself). Then it serves its
+owner over CONTROL_FD (a SOCK_SEQPACKET socket; the owner's lock keeps one exchange at a
+time):
 
-    owner -> zygote   pickled (cwd, arena_bytes, targets, environment), with the descriptors
-                      [engine socket, arena, status pipe's write end, *outputs]: the owner's
-                      open ones among its stdout and stderr, `targets` their numbers;
-                      `environment`: the variables to set (None: remove) in the child
+    owner -> zygote   pickled (cwd or None, arena_bytes, targets, environment), with the
+                      descriptors [engine socket, arena, status pipe's write end, *outputs]:
+                      the owner's open ones among its stdout and stderr, `targets` their
+                      numbers; `environment`: the variables to set (None: remove) in the child
     zygote -> owner   the child's pid (8 bytes), with a pidfd of the child
 
 Each child runs `worker.serve` and exits; this process reaps it and writes its return code
 (`subprocess.Popen`'s convention: negative for a signal) to its status pipe. It is
 single-threaded: its one loop polls the control socket, the owner's pidfd and the children's
 pidfds. It exits when the owner closes the control socket or exits; the children watch the
-owner themselves (its pidfd, inherited) and exit with it.
+owner themselves (its pidfd, inherited) and exit with it. `ps` shows a child with this
+process's command line (`python -m xrec.engine.zygote N`).
 """
 
 from __future__ import annotations
@@ -105,7 +108,7 @@ class Zygote:
         os.close(status_fd)
         os.close(pidfd)
 
-    def _child(self, cwd: str, environment: dict[str, str | None], engine_fd: int,
+    def _child(self, cwd: str | None, environment: dict[str, str | None], engine_fd: int,
                arena_fd: int, arena_bytes: int, status_fd: int, outputs: dict[int, int]) -> None:
         """The forked child: this process's descriptors closed, the owner's stdout, stderr,
         working directory and variables taken, then the engine served. Never returns."""
@@ -121,7 +124,8 @@ class Zygote:
                 os.dup2(outputs.get(target, devnull), target)
             for fd in {devnull, *outputs.values()}:
                 os.close(fd)
-            os.chdir(cwd)
+            if cwd is not None:
+                os.chdir(cwd)
             for name, value in environment.items():
                 if value is None:
                     os.environ.pop(name, None)
