@@ -120,6 +120,29 @@ def test_a_killed_fork_server_is_replaced_and_its_childs_exit_is_unknown(model_d
             orphan.submit(REQUEST)
 
 
+def test_a_fork_server_that_does_not_answer_fails_the_start_instead_of_a_second_child(
+        model_dir, monkeypatch):
+    """Once the request is sent, a child may have the engine's socket: a fresh interpreter
+    on the same socket would share its messages, so the start fails; the next one runs a
+    new fork server."""
+    with _start(model_dir):
+        stopped = forkserver._shared
+    monkeypatch.setattr(forkserver, "ANSWER_TIMEOUT_S", 1.0)
+    os.kill(stopped.process.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(OSError, match="the fork server did not answer .*timed out.*the "
+                                          "engine did not start"):
+            _start(model_dir)
+    finally:
+        if stopped.process.poll() is None:
+            os.kill(stopped.process.pid, signal.SIGCONT)
+    assert stopped.process.returncode == -signal.SIGKILL     # stopped, so killed
+    with _start(model_dir) as engine:
+        assert forkserver._shared is not stopped
+        assert _parent_of(engine.pid) == forkserver._shared.process.pid
+        assert engine.recommend([REQUEST])[0].results
+
+
 def test_the_fork_server_and_its_children_exit_with_their_owner(model_dir):
     script = textwrap.dedent(f"""
         import time

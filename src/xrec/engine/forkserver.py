@@ -62,12 +62,21 @@ def start_child(engine_fd: int, arena: Arena) -> subprocess.Popen | ForkedProces
     if changes is not None:
         try:
             return server.fork(engine_fd, arena, changes)
-        except OSError as exc:
-            logger.warning("the fork server failed (%s); starting the engine's child afresh", exc)
+        except NotSent as exc:   # nobody has the engine's socket: a fresh interpreter may
+            logger.warning("the fork server failed (%s); starting the engine's child afresh",
+                           exc.__cause__)
             server.stop()
+        except OSError as exc:   # a child may have it: a second one would read its messages
+            server.stop()
+            raise OSError(f"the fork server did not answer ({exc}); the engine did not start "
+                          "(the next start runs a new fork server)") from exc
     return subprocess.Popen([sys.executable, "-m", "xrec.engine.worker", str(engine_fd),
                              str(arena.fd), str(arena.size)],
                             pass_fds=(engine_fd, arena.fd), stdin=subprocess.DEVNULL)
+
+
+class NotSent(OSError):
+    """The fork server failed before it had the request: no child has the engine's socket."""
 
 
 class ForkedProcess:
@@ -137,12 +146,13 @@ class ForkServer:
         self.control = ours
         try:
             ours.settimeout(READY_TIMEOUT_S)
-            if ours.recv(len(READY)) != READY:
-                raise OSError(f"the fork server exited while starting "
-                              f"(exit code {self.process.wait(READY_TIMEOUT_S)})")
+            ready = ours.recv(len(READY))
         except BaseException:
             self.stop()
             raise
+        if ready != READY:
+            self.stop()
+            raise OSError(f"the fork server exited while starting ({_exit_of(self.process)})")
 
     @property
     def is_running(self) -> bool:
@@ -162,7 +172,9 @@ class ForkServer:
              environment: dict[str, str | None]) -> ForkedProcess:
         """A child serving the engine on `engine_fd` and `arena`, with this process's working
         directory, stdout and stderr as they are now, and `environment`'s changes to the fork
-        server's; OSError when the fork server fails."""
+        server's. `NotSent` when the fork server fails before it has the request, OSError
+        when it fails after (a child may have been forked: it exits once the engine's socket
+        closes)."""
         status_fd, status_w = os.pipe()
         targets = [fd for fd in (1, 2) if _is_open(fd)]
         try:
@@ -172,8 +184,12 @@ class ForkServer:
         request = pickle.dumps((cwd, arena.size, targets, environment))
         try:
             with self.lock:
-                self.control.settimeout(ANSWER_TIMEOUT_S)
-                socket.send_fds(self.control, [request], [engine_fd, arena.fd, status_w, *targets])
+                try:
+                    self.control.settimeout(ANSWER_TIMEOUT_S)
+                    socket.send_fds(self.control, [request],
+                                    [engine_fd, arena.fd, status_w, *targets])
+                except OSError as exc:     # one SOCK_SEQPACKET message: sent whole or not at all
+                    raise NotSent(str(exc)) from exc
                 data, fds, _, _ = socket.recv_fds(self.control, 8, 1)
         except BaseException:
             os.close(status_fd)
