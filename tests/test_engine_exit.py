@@ -16,8 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from test_isolation import _wait_gone
-
+from bounded import wait_gone
 from xrec.demo import write_random_model
 
 WAIT_S = 60.0  # bound on every wait: a hang fails the test instead of blocking it
@@ -87,7 +86,7 @@ def test_exit_with_a_batch_running_keeps_the_scripts_status(model_dir, isolation
         assert "RuntimeError: the host failed" in stderr
     if how == "sigint":
         assert "KeyboardInterrupt" in stderr
-    assert _wait_gone(pid)   # the child of isolation="process"
+    assert wait_gone(pid)   # the child of isolation="process"
 
 
 # `xrec serve` whose model "loads" for up to a minute: torch work on the loading thread.
