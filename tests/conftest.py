@@ -70,17 +70,17 @@ def _module(item) -> str:
 
 
 # The longest files, longest first (seconds of each file's tests on 2 workers of an AVX2-only
-# AMD EPYC, family 23, 2026-12-07). `make test` hands whole files to its 2 workers in
+# AMD EPYC, family 23, 2026-12-07, with engine children from the fork server). `make test` hands whole files to its 2 workers in
 # collection order (`--no-loadscope-reorder`; pytest-xdist's default orders them by their
 # number of tests, which put the files of one or a few long tests, ML-100k's 91 s, last,
 # where one worker could run them while the other had nothing left). Longest first, the
 # short files fill both workers' last minutes: a replay of the measured times through
 # xdist's scheduler gave the busier worker 690 s against 740; the suite itself read within
 # its noise (docs/decisions.md, "On an AVX2-only Zen 1 the suite is over the line").
-LONGEST_FIRST = ("test_fusion.py", "test_ray.py", "test_train_precision.py", "test_bench.py",
-                 "test_isolation.py", "test_realdata_ml100k.py", "test_train.py",
-                 "test_server_hostile.py", "test_engine_exit.py", "test_realdata_inputs.py",
-                 "test_model.py", "test_batch.py")
+LONGEST_FIRST = ("test_fusion.py", "test_ray.py", "test_train_precision.py",
+                 "test_realdata_ml100k.py", "test_bench.py", "test_train.py",
+                 "test_server_hostile.py", "test_isolation.py", "test_engine_exit.py",
+                 "test_batch.py", "test_realdata_inputs.py", "test_sasrec.py")
 
 
 def _longest_first(items) -> None:
