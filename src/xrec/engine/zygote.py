@@ -94,7 +94,10 @@ class Zygote:
             os.close(fd)
         self.children[pidfd] = (pid, status_fd)
         self.poller.register(pidfd, select.POLLIN)
-        socket.send_fds(self.control, [struct.pack("<q", pid)], [pidfd])
+        try:
+            socket.send_fds(self.control, [struct.pack("<q", pid)], [pidfd])
+        except OSError:     # the owner gave up on the answer (closed): the child sees its
+            return False    # engine's socket closed and exits
         return True
 
     def _reap(self, pidfd: int) -> None:
@@ -135,7 +138,7 @@ class Zygote:
             from xrec.engine.worker import serve
             code = serve(engine_fd, arena_fd, arena_bytes, self.owner)
         except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
+            code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
         except BaseException:
             traceback.print_exc()
         finally:
