@@ -184,9 +184,11 @@ def _transport(setting: dict) -> dict:
     import numpy as np
 
     from xrec import Engine, RecRequest
+    from xrec.engine.forkserver import FORK_SERVER_ENV
     from xrec.utils.fresh_thread import in_fresh_thread
 
     options = _engine_options(setting)
+    os.environ.pop(FORK_SERVER_ENV, None)   # the first start runs the fork server, as described
     started = time.perf_counter()
     child = Engine.from_pretrained(setting["model_dir"], isolation="process", **options)
     first_s = time.perf_counter() - started
