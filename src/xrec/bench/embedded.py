@@ -146,7 +146,7 @@ def measure(setting: dict) -> dict:
     from xrec.bench.lib.models import make_workload
 
     if setting["condition"] == "transport":
-        return _transport(setting)
+        return _transport_and_starts(setting)
     if setting["condition"] == "main-op":
         torch.randn(512, 512) @ torch.randn(512, 512)   # the host's own torch work, main thread
     loop = _HostLoop() if setting["condition"] == "host-loop" else None
@@ -177,7 +177,7 @@ def measure(setting: dict) -> dict:
     return result
 
 
-def _transport(setting: dict) -> dict:
+def _transport_and_starts(setting: dict) -> dict:
     """One request with an embedding, to an in-thread and a process-isolated engine in turn
     (both in this process, loaded on threads that end): the cost of the hop to the child;
     and the process-isolated engine's start (`_starts`)."""
