@@ -126,24 +126,29 @@ _cpu_flash_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cp
 def unshared_stage(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Unshared stage: each beam's query against its own generated slots,
-    `q [B, W, H, Dh]`, `k/v [B, W, S, kvH, Dh]`, `bias [H, S]` or None.
-    Returns `o [B, W, H, Dh]` and `lse [B, W, H]`, both float32: the weighted sum over
+    `q [..., H, Dh]`, `k/v [..., S, kvH, Dh]` (the same leading beam axes: `[B, W]`, or
+    `[B * W]` as the models pass them), `bias [H, S]` or None.
+    Returns `o [..., H, Dh]` and `lse [..., H]`, both float32: the weighted sum over
     the slots is taken in float32 (a bfloat16 sum over a middle axis ran 1.6x slower here,
-    and `merge_states` reads float32 anyway)."""
-    num_batch, num_beams, num_heads, head_dim = q.shape
-    num_slots, num_kv = k.shape[2], k.shape[3]
+    and `merge_states` reads float32 anyway).
+
+    Every reshape splits or joins the head axes only, never the leading ones: compiled
+    (`xrec.model.fusion`), a view over the beam axes made dynamo guard on how their strides
+    relate, and every layout of q (a view of the q/k/v product, or a tensor of its own) and
+    every batch or beam axis of size 1 was a variant compiled apart."""
+    num_heads = q.shape[-2]
+    num_kv = k.shape[-2]
     group = num_heads // num_kv
     # S is a handful of slots: broadcast products beat batched S-wide matmuls. The slot
     # axis stays where the cache keeps it, so every operand is read in storage order.
-    qg = q.view(num_batch, num_beams, 1, num_kv, group, head_dim)
-    scores = (qg * k.unsqueeze(4)).sum(-1).float() * scale               # [B, W, S, kvH, G]
+    qg = q.unflatten(-2, (num_kv, group)).unsqueeze(-4)                   # [..., 1, kvH, G, Dh]
+    scores = (qg * k.unsqueeze(-2)).sum(-1).float() * scale               # [..., S, kvH, G]
     if bias is not None:
-        scores = scores + bias.view(num_kv, group, num_slots).permute(2, 0, 1)  # pragma: no mutate
-    lse = torch.logsumexp(scores, dim=2)                                  # [B, W, kvH, G]
-    probs = torch.exp(scores - lse.unsqueeze(2))
-    out = (probs.unsqueeze(-1) * v.unsqueeze(4)).sum(2)                   # [B, W, kvH, G, Dh] float32
-    return (out.reshape(num_batch, num_beams, num_heads, head_dim),
-            lse.reshape(num_batch, num_beams, num_heads))
+        scores = scores + bias.unflatten(0, (num_kv, group)).permute(2, 0, 1)  # pragma: no mutate
+    lse = torch.logsumexp(scores, dim=-3)                                 # [..., kvH, G]
+    probs = torch.exp(scores - lse.unsqueeze(-3))
+    out = (probs.unsqueeze(-1) * v.unsqueeze(-2)).sum(-4)                 # [..., kvH, G, Dh] float32
+    return out.flatten(-3, -2), lse.flatten(-2)
 
 
 def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,

@@ -26,7 +26,7 @@ from torch import nn
 from xrec.config import FamilyConfig
 from xrec.model.inputs import ModelInputs
 from xrec.model.gemm import cpu_fp32_gemm, onednn_linear
-from xrec.model.attention import merge_states, unshared_stage
+from xrec.model.attention import merge_states, shared_stage, unshared_stage
 from xrec.model.dtype import cpu_native_bf16
 from xrec.model.kv import Allocate, BeamKV
 from xrec.model.layers import linear
@@ -52,6 +52,25 @@ class RecModel(nn.Module):
     fusable: ClassVar[tuple[str, ...]] = ("merge_states", "unshared_stage")
     merge_states = staticmethod(merge_states)
     unshared_stage = staticmethod(unshared_stage)
+
+    def beam_attention(self, q: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor],
+                       shared_bias: torch.Tensor | None, own: tuple[torch.Tensor, torch.Tensor],
+                       own_bias: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """A decode round's self-attention of `q [B, W, H, Dh]` (xAttention): the shared
+        stage over the request's `shared` K/V `[B, kvH, P, Dh]`, the unshared stage over each
+        beam's `own` slots `[B, W, S, kvH, Dh]`, merged. Returns `[B, W, H * Dh]`.
+
+        Compiled (`xrec.model.fusion`), a chain is compiled apart for each layout of its
+        inputs, and a layout that depends on the batch (a view whose strides change where a
+        batch or beam axis has size 1) multiplies the variants a load compiles. So the
+        unshared stage reads rows `[B * W, ...]` (views: `attention.unshared_stage`), and
+        the merge a contiguous copy of the shared stage's log-sum-exp (`[B, W, H]` float32,
+        1/Dh of its output's size)."""
+        o_s, lse_s = shared_stage(q, *shared, shared_bias, scale)
+        o_u, lse_u = self.unshared_stage(*(t.flatten(0, 1) for t in (q, *own)), own_bias, scale)
+        beams = q.shape[:2]
+        return self.merge_states(o_s, lse_s.contiguous(), o_u.unflatten(0, beams),
+                                 lse_u.unflatten(0, beams)).flatten(2)
 
     # ---- what a family implements -------------------------------------------------
 

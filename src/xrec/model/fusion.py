@@ -13,7 +13,7 @@ on the class). `fuse(model)` gives each module instance the compiled function in
 `unfuse(model)` takes it away again. The compiled functions are process-wide, one per
 function (`compiled`), so every engine in the process shares their compiled code; dynamo
 compiles under its own lock, and `warm_up` (the engine, at load) compiles the variants
-serving meets (dimensions of size 1 or more, the layouts of the caches' views) before any
+serving meets (dimensions of size 1 or more, the slot counts, the layouts of q) before any
 request, so that no request pays a compile (tests/test_fusion.py counts them). dynamo's
 settings live per thread, so each thread that calls a compiled function sets them first.
 

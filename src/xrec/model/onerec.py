@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from xrec.config import ModelConfig
-from xrec.model.attention import Attention, attend, attend_beams, padding_mask, shared_stage
+from xrec.model.attention import Attention, attend, attend_beams, padding_mask
 from xrec.model.family import RecModel, merge_tied_copy
 from xrec.model.inputs import ModelInputs
 from xrec.model.kv import Allocate, BeamKV, CrossKV, PrefixKV
@@ -312,10 +312,10 @@ class OneRecModel(RecModel):
             beam_k, beam_v = beams.layer(index)                           # [B, W, R-1, kvH, Dh]
             beam_k[:, :, slot] = k_new
             beam_v[:, :, slot] = v_new
-            o_s, lse_s = shared_stage(q, prefix.k[index], prefix.v[index], shared_bias, scale)
-            o_u, lse_u = self.unshared_stage(q, beam_k[:, :, :slot + 1], beam_v[:, :, :slot + 1],
-                                             unshared_bias, scale)
-            hidden = hidden + sub.SelfAttention.o(self.merge_states(o_s, lse_s, o_u, lse_u).flatten(2))
+            out = self.beam_attention(q, (prefix.k[index], prefix.v[index]), shared_bias,
+                                      (beam_k[:, :, :slot + 1], beam_v[:, :, :slot + 1]),
+                                      unshared_bias, scale)
+            hidden = hidden + sub.SelfAttention.o(out)
             hidden = self._cross_attention(block, index, hidden, cross)
             hidden = block.layer[2](hidden)
         return self.decoder.final_layer_norm(hidden)

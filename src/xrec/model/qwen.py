@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from xrec.model.attention import attend, attend_beams, padding_mask, shared_stage
+from xrec.model.attention import attend, attend_beams, padding_mask
 from xrec.model.family import RecModel, merge_tied_copy
 from xrec.model.inputs import ModelInputs
 from xrec.model.kv import Allocate, BeamKV, PrefixKV
@@ -188,9 +188,9 @@ class QwenModel(RecModel):
             beam_k, beam_v = beams.layer(index)                           # [B, W, R-1, kvH, Dh]
             beam_k[:, :, slot] = k_new
             beam_v[:, :, slot] = v_new
-            o_s, lse_s = shared_stage(q, prompt.k[index], prompt.v[index], pad, self.scale)
-            o_u, lse_u = self.unshared_stage(q, beam_k[:, :, :slot + 1], beam_v[:, :, :slot + 1],
-                                             None, self.scale)
-            hidden = hidden + layer.self_attn.o_proj(self.merge_states(o_s, lse_s, o_u, lse_u).flatten(2))
+            out = self.beam_attention(q, (prompt.k[index], prompt.v[index]), pad,
+                                      (beam_k[:, :, :slot + 1], beam_v[:, :, :slot + 1]),
+                                      None, self.scale)
+            hidden = hidden + layer.self_attn.o_proj(out)
             hidden = layer.feed_forward(hidden)
         return self.model.norm(hidden)
