@@ -41,13 +41,20 @@ def test_each_compiled_chain_computes_what_its_eager_function_does(rows):
                                    rms_norm_low_precision(x, weight, 1e-6))
         gate, up = draw(rows, 40).to(BF16), draw(rows, 40).to(BF16)
         torch.testing.assert_close(compiled(silu_mul)(gate.clone(), up), silu_mul(gate.clone(), up))
-        q = draw(2, rows, 4, 8).to(BF16)                                # [B, W, H, Dh], 2 kv heads
-        k, v = draw(2, rows, 2, 2, 8).to(BF16), draw(2, rows, 2, 2, 8).to(BF16)  # 2 slots
-        bias = draw(4, 2)
-        for got, want in zip(compiled(unshared_stage)(q, k, v, bias, 0.3),
-                             unshared_stage(q, k, v, bias, 0.3)):
-            torch.testing.assert_close(got, want)
-        o_a, lse_a, o_b, lse_b = q, draw(2, rows, 4), draw(2, rows, 4, 8), draw(2, rows, 4)
+        # the attention chains get what RecModel.beam_attention gives them: the rows of 2
+        # requests' beams, q [2W, H, Dh] a view of the q/k/v product (4 query heads, 2 kv
+        # heads of 8), each beam's first 1 or 2 of its 2 cache slots, the position bias
+        # [H, S] a transposed view, as the encoder-decoder's is
+        q = draw(2 * rows, 64).to(BF16)[:, :32].unflatten(-1, (4, 8))
+        cache_k, cache_v = draw(2 * rows, 2, 2, 8).to(BF16), draw(2 * rows, 2, 2, 8).to(BF16)
+        for num_slots in (1, 2):
+            k, v, bias = cache_k[:, :num_slots], cache_v[:, :num_slots], draw(num_slots, 4).t()
+            for got, want in zip(compiled(unshared_stage)(q, k, v, bias, 0.3),
+                                 unshared_stage(q, k, v, bias, 0.3)):
+                torch.testing.assert_close(got, want)
+        o_u, lse_u = unshared_stage(q, k, v, bias, 0.3)                # float32 rows
+        o_a = draw(2, 4, rows, 8).to(BF16).transpose(1, 2)              # the shared stage's view
+        o_b, lse_a, lse_b = o_u.unflatten(0, (2, rows)), draw(2, rows, 4), lse_u.unflatten(0, (2, rows))
         torch.testing.assert_close(compiled(merge_states)(o_a, lse_a, o_b, lse_b),
                                    merge_states(o_a, lse_a, o_b, lse_b))
 
