@@ -49,6 +49,7 @@ COMPONENT_OF = {
     ("onerec.py", "decode_step"): "decoder", ("qwen.py", "decode_step"): "decoder",
     **{("attention.py", name): "attention"
        for name in ("attend", "attend_beams", "shared_stage", "unshared_stage", "merge_states")},
+    ("family.py", "beam_attention"): "attention",
     ("step.py", "_candidates"): "LM head",
     ("beam.py", "select_top"): "top-k", ("step.py", "run"): "top-k", ("step.py", "_to_host"): "top-k",
 }
