@@ -65,7 +65,7 @@ class RecModel(nn.Module):
         batch or beam axis has size 1) multiplies the variants a load compiles. So the
         unshared stage reads rows `[B * W, ...]` (views: `attention.unshared_stage`), and
         the merge a contiguous copy of the shared stage's log-sum-exp (`[B, W, H]` float32,
-        1/Dh of its output's size)."""
+        one value per Dh of the output)."""
         o_s, lse_s = shared_stage(q, *shared, shared_bias, scale)
         o_u, lse_u = self.unshared_stage(*(t.flatten(0, 1) for t in (q, *own)), own_bias, scale)
         beams = q.shape[:2]
