@@ -186,3 +186,21 @@ def test_the_breakdown_counts_a_fused_chain_as_an_op_not_as_host_time(fused):
     assert profile["part_times_from"] == "plain run"
     assert sum(profile["parts_ms"].values()) == pytest.approx(profile["op_ms"], rel=0.05)
     assert profile["op_ms"] < profile["profiled_wall_ms"]
+
+
+def test_a_warm_up_compiles_the_attention_chains_once_per_slot_count_not_per_batch_layout(fused):
+    """The unshared stage reads rows `[B * W, ...]` and the merge a contiguous log-sum-exp
+    (`RecModel.beam_attention`), so both families' warm-ups (1 or 2 requests, beams and
+    prompt positions) compile the unshared stage once per slot count (1 and 2) and q
+    layout (a batch of one request and one beam has other strides), and the merge once per
+    layout of the shared stage's output. Viewed whole, the batch and beam axes gave 13
+    variants of the unshared stage and 5 of the merge."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    model = random_model(size_config("qwen3-sid-test", 100), seed=3, dtype=BF16)
+    fuse(model)
+    fusion.warm_up(model, 3)       # the encoder-decoder's ran at the engine's load (`fused`)
+    variants = {fn.__name__: len(_debug_get_cache_entry_list(fn.__code__))
+                for fn in (unshared_stage, merge_states)}
+    # 2 x 2 + 2 and 3, and one more merge where the chain test above ran first
+    assert variants["unshared_stage"] <= 6 and variants["merge_states"] <= 4, variants
